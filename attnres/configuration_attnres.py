@@ -1,0 +1,162 @@
+"""Configuration of AttnRes models: a Llama / Mixtral decoder whose residual connections can be replaced by
+softmax attention over depth (Kimi Team, "Attention Residuals", arXiv:2603.15031)."""
+
+import math
+
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+
+RESIDUAL_MODES = ("standard", "full", "block")
+# Written into every saved config so the folder loads with `trust_remote_code=True` through any of these Auto classes
+# (saving one model class would otherwise only record that class).
+AUTO_MAP = {
+    "AutoConfig": "configuration_attnres.AttnResConfig",
+    "AutoModel": "modeling_attnres.AttnResModel",
+    "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_attnres.AttnResForSequenceClassification",
+}
+TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
+
+
+class AttnResConfig(PreTrainedConfig):
+    r"""
+    Configuration for [`AttnResModel`] and [`AttnResForCausalLM`].
+
+    Every field Llama and Mixtral use keeps its Transformers name and meaning, so a Llama or Mixtral config maps onto
+    this one field by field. The MoE MLP is used when `num_local_experts > 0`; otherwise each decoder layer has a
+    dense SwiGLU MLP.
+
+    Residual fields:
+        residual_mode (`str`, defaults to `"block"`):
+            `"standard"`: PreNorm residual, bit-compatible with Llama / Mixtral.
+            `"full"`: Full AttnRes, every sublayer attends over the embedding and every earlier sublayer output.
+            `"block"`: Block AttnRes, sublayers are grouped into blocks of `block_size`; a sublayer attends over the
+            completed block sums and the running sum of its own block.
+        block_size (`int`, *optional*):
+            Block size S in *sublayers* (an attention and an MLP are two sublayers, so a model with
+            `num_hidden_layers` decoder layers has `2 * num_hidden_layers` sublayers). Defaults to
+            `ceil(2 * num_hidden_layers / 8)`, i.e. about 8 blocks as the paper recommends. `block_size=1` is Full
+            AttnRes. Only used when `residual_mode="block"`.
+        exact_retrofit (`bool`, defaults to `False`):
+            Divide the eps of each pre-norm (and of the final norm) by k**2, where k is the number of depth sources
+            of the mixing step in front of it. With zero pseudo-queries a mixing step returns (sum of sources) / k
+            and RMSNorm(x / k, eps) == RMSNorm(x, eps * k**2), so this makes a freshly converted checkpoint compute
+            exactly what the PreNorm source computed. Conversions turn it on; models trained from scratch leave it
+            off.
+        depth_kernel (`str`, defaults to `"auto"`):
+            `"auto"` uses the Triton kernels for block aggregation on CUDA when Triton is importable and the
+            PyTorch reference otherwise; `"reference"` always uses the PyTorch reference. The environment variable
+            `ATTNRES_DEPTH_KERNEL=reference` forces the reference too.
+    """
+
+    model_type = "attnres"
+    keys_to_ignore_at_inference = ["cache"]
+    attribute_map = {"num_experts": "num_local_experts"}
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    # Llama fields
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    # Mixtral fields (num_local_experts = 0 gives a dense MLP)
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    router_jitter_noise: float = 0.0
+    # AttnRes fields
+    residual_mode: str = "block"
+    block_size: int | None = None
+    exact_retrofit: bool = False
+    depth_kernel: str = "auto"
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.block_size is None:
+            self.block_size = math.ceil(self.num_sublayers / TARGET_NUM_BLOCKS)
+        super().__post_init__(**kwargs)
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
+        self._check_fields()
+
+    @property
+    def num_sublayers(self) -> int:
+        """L: every attention and every MLP is its own sublayer."""
+        return 2 * self.num_hidden_layers
+
+    @property
+    def depth_block_size(self) -> int:
+        """The block size the depth mixing actually uses: 1 for Full AttnRes, `block_size` for Block AttnRes."""
+        return 1 if self.residual_mode == "full" else self.block_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    def _check_fields(self) -> None:
+        def fail(field: str, allowed: str) -> None:
+            raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r} is invalid: allowed values are {allowed}.")
+
+        if self.residual_mode not in RESIDUAL_MODES:
+            fail("residual_mode", " | ".join(repr(m) for m in RESIDUAL_MODES))
+        if self.depth_kernel not in ("auto", "reference"):
+            fail("depth_kernel", "'auto' | 'reference'")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                fail(field, "a positive integer")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= self.num_sublayers:
+            fail("block_size", f"an integer from 1 to 2 * num_hidden_layers = {self.num_sublayers} (sublayers)")
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
+            fail("num_key_value_heads", f"a positive divisor of num_attention_heads = {self.num_attention_heads}")
+        if self.head_dim < 2 or self.head_dim % 2 != 0:
+            fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
+        if self.rms_norm_eps < 0:
+            fail("rms_norm_eps", "a number >= 0")
+        if not 0.0 <= self.attention_dropout <= 1.0:
+            fail("attention_dropout", "a probability in [0, 1]")
+        if self.num_local_experts < 0:
+            fail("num_local_experts", "0 (dense MLP) or a positive number of experts")
+        if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            fail("num_experts_per_tok", f"an integer from 1 to num_local_experts = {self.num_local_experts}")
+        if self.router_jitter_noise < 0:
+            fail("router_jitter_noise", "a number >= 0")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            fail("sliding_window", "None or a positive integer")
+
+
+AttnResConfig.register_for_auto_class()
+
+__all__ = ["AttnResConfig"]

@@ -1,0 +1,376 @@
+"""AttnRes: a Llama / Mixtral decoder whose residual connections are softmax attention over depth.
+
+Kimi Team, "Attention Residuals" (arXiv:2603.15031). The attention, MLP and MoE sublayers are Llama's and Mixtral's,
+with their parameter names, so Llama and Mixtral checkpoints convert by copying tensors. What changes is what each
+sublayer reads: instead of the running residual stream, a depth-mixing module (`depth_mixing.py`) in front of every
+sublayer and of the final norm computes its input from everything the network has produced so far. The model's
+forward loop owns that depth state and threads it through the decoder layers.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.models.mixtral.modeling_mixtral import (
+    MixtralExperts,
+    MixtralSparseMoeBlock,
+    MixtralTopKRouter,
+    load_balancing_loss_func,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_attnres import AttnResConfig
+from .depth_mixing import AttnResRMSNorm, DepthAttention, depth_mixer, initial_depth_state, pre_norm_eps
+
+
+class AttnResRotaryEmbedding(LlamaRotaryEmbedding):
+    pass
+
+
+class AttnResMLP(LlamaMLP):
+    """Llama's dense SwiGLU MLP."""
+
+
+class AttnResSparseMoeBlock(MixtralSparseMoeBlock):
+    """Mixtral's sparse MoE: top-k softmax router and fused experts (router logits are recorded by hooks)."""
+
+
+class AttnResAttention(nn.Module):
+    """Llama's grouped-query attention, plus Mixtral / Mistral's optional sliding window."""
+
+    def __init__(self, config: AttnResConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.config.sliding_window,
+            **kwargs,
+        )
+
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class AttnResDecoderLayer(GradientCheckpointingLayer):
+    """An attention sublayer and an MLP (or MoE) sublayer, each behind its own depth-mixing step.
+
+    The layer is a pure function of the depth state: it takes the state's tensors positionally (so reentrant
+    checkpointing recomputes and differentiates through all of them) and returns the new state.
+    """
+
+    def __init__(self, config: AttnResConfig, layer_idx: int):
+        super().__init__()
+        attn_position, mlp_position = 2 * layer_idx + 1, 2 * layer_idx + 2
+        self.self_attn = AttnResAttention(config, layer_idx)
+        self.mlp = AttnResSparseMoeBlock(config) if config.is_moe else AttnResMLP(config)
+        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, attn_position))
+        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, mlp_position))
+        self.attn_residual = depth_mixer(config, attn_position)
+        self.mlp_residual = depth_mixer(config, mlp_position)
+
+    def forward(
+        self,
+        *depth_state: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden_states = self.attn_residual(*depth_state)
+        attn_output, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            **kwargs,
+        )
+        depth_state = self.attn_residual.update(*depth_state, attn_output)
+
+        hidden_states = self.mlp_residual(*depth_state)
+        mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
+        return self.mlp_residual.update(*depth_state, mlp_output)
+
+
+class AttnResPreTrainedModel(PreTrainedModel):
+    config: AttnResConfig
+    config_class = AttnResConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["AttnResDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    # `hidden_states[i]` is the input the i-th decoder layer's attention sublayer reads (the depth-mixed input under
+    # AttnRes, the residual stream in standard mode, where this equals Llama's), and the last entry is the output
+    # after the final norm.
+    _can_record_outputs = {
+        "hidden_states": [
+            OutputRecorder(None, class_name="attn_residual", capture_initial_hidden_state=False),
+            OutputRecorder(None, class_name="output_residual", capture_initial_hidden_state=False),
+        ],
+        "attentions": OutputRecorder(AttnResAttention, index=1),
+        "router_logits": OutputRecorder(MixtralTopKRouter, index=0),
+    }
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, DepthAttention):
+            # Zero pseudo-queries: uniform depth attention, which reproduces the PreNorm residual up to the norms.
+            init.zeros_(module.pseudo_query)
+        elif isinstance(module, MixtralExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, MixtralTopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+
+
+class AttnResModel(AttnResPreTrainedModel):
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        output_position = config.num_sublayers + 1
+        self.output_residual = depth_mixer(config, output_position)
+        self.norm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, output_position))
+        self.rotary_emb = AttnResRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
+        causal_mask = mask_function(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+
+        depth_state = initial_depth_state(self.config.residual_mode, inputs_embeds, self.config.rms_norm_eps)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            depth_state = decoder_layer(
+                *depth_state,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(self.output_residual(*depth_state))
+
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    @torch.no_grad()
+    def depth_attention_weights(self, input_ids: torch.LongTensor, **kwargs) -> dict[str, torch.Tensor]:
+        """Run a forward pass and return the depth-attention weights of every depth-mixing step.
+
+        Keys are module names (`"layers.3.mlp_residual"`, `"output_residual"`); values are fp32 tensors
+        `[batch, seq, num_sources]` over the sources [b_0 = embedding, b_1, ..., partial sum] in order. Computed by
+        forward hooks with the naive form, so the forward pass itself is unchanged.
+        """
+        weights: dict[str, torch.Tensor] = {}
+        handles = []
+        for name, module in self.named_modules():
+            if isinstance(module, DepthAttention):
+
+                def record(module, args, name=name):
+                    weights[name] = module.attention_weights(*args)
+
+                handles.append(module.register_forward_pre_hook(record))
+        try:
+            self(input_ids=input_ids, use_cache=False, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return weights
+
+
+class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: AttnResConfig):
+        super().__init__(config)
+        self.model = AttnResModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
+        output_router_logits = self.config.is_moe and (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        aux_loss = None
+        if output_router_logits:
+            aux_loss = load_balancing_loss_func(
+                outputs.router_logits, self.config.num_local_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            if labels is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+
+class AttnResForSequenceClassification(GenericForSequenceClassification, AttnResPreTrainedModel):
+    pass
+
+
+AttnResModel.register_for_auto_class("AutoModel")
+AttnResForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+AttnResForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+__all__ = [
+    "AttnResPreTrainedModel",
+    "AttnResModel",
+    "AttnResForCausalLM",
+    "AttnResForSequenceClassification",
+]

@@ -1,0 +1,77 @@
+"""PyTorch reference for depth attention: the naive form of SPEC §3 and the two-phase form of SPEC §6.
+
+Shapes: a stack of depth sources or completed blocks is `[N, *tokens, D]`; `*tokens` is any token layout
+(`[batch, seq]` in the model). All logits, softmax statistics and merges are computed in fp32 whatever the input
+dtype, because depth logits are dot products over the whole hidden size and bf16 would round them coarsely.
+
+The Triton kernels in `attnres.kernels` implement `phase1` and `phase2` with the same signatures and are tested
+against these functions.
+"""
+
+import torch
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rsqrt(mean(x**2) + eps)` over the last dimension, in fp32: the scale RMSNorm applies to `x`."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
+def naive_depth_attention(
+    sources: torch.Tensor, pseudo_query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §3 literally: `h = sum_i softmax_i(w . RMSNorm(v_i)) v_i` over the stacked `sources` `[K, *tokens, D]`.
+
+    Returns `h` (in the dtype of `sources`) and the depth-attention weights `[*tokens, K]` (fp32). Slow and simple:
+    it is the test reference for the two-phase form and the analysis path for depth-attention maps.
+    """
+    values = sources.float()
+    keys = key_norm_weight.float() * values * inverse_rms(sources, eps).unsqueeze(-1)
+    logits = keys @ pseudo_query.float()
+    weights = torch.softmax(logits, dim=0)
+    hidden = (weights.unsqueeze(-1) * values).sum(0)
+    return hidden.to(sources.dtype), weights.movedim(0, -1)
+
+
+def phase1(
+    blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, queries: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of SPEC §6: attention of `Q` queries over the completed blocks, without the running partial sum.
+
+    Args:
+        blocks: completed block representations `[N, *tokens, D]` (b_0 = embedding first).
+        blocks_inv_rms: `inverse_rms(blocks)` `[N, *tokens]`, fp32, computed once when each block completed.
+        queries: `[Q, D]` fp32 pseudo-queries with their key-norm gains folded in (`w * gamma`), which is exact
+            because `w . (gamma * k) == (w * gamma) . k`; it lets every query share the same normalised keys.
+
+    Returns:
+        `obar` `[Q, *tokens, D]` fp32, the softmax-normalised mix of the blocks for each query, and
+        `lse` `[Q, *tokens]` fp32, the log-sum-exp of each query's logits (the merge statistic for phase 2).
+    """
+    values = blocks.float()
+    logits = torch.einsum("qd,n...d->qn...", queries, values) * blocks_inv_rms
+    lse = torch.logsumexp(logits, dim=1)
+    weights = torch.exp(logits - lse.unsqueeze(1))
+    obar = torch.einsum("qn...,n...d->q...d", weights, values)
+    return obar, lse
+
+
+def phase2(
+    obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Phase 2 of SPEC §6: merge the running partial sum `P` of the current block into phase 1's result.
+
+    With the partial's logit `s = w . RMSNorm(P)`, the softmax over [blocks..., P] equals the exact online-softmax
+    merge `obar + sigmoid(s - lse) * (P - obar)`: the partial's weight is `e^s / (e^lse + e^s) = sigmoid(s - lse)`
+    and the blocks keep the rest in their phase-1 proportions.
+
+    Args:
+        obar: `[*tokens, D]` fp32, phase 1's output for this query; lse: `[*tokens]` fp32.
+        partial: `[*tokens, D]` the running sum of the current block, in the model dtype.
+        query: `[D]` fp32 pseudo-query with the key-norm gain folded in.
+
+    Returns the sublayer input `h` in the dtype of `partial`.
+    """
+    values = partial.float()
+    logit = (values @ query) * inverse_rms(partial, eps)
+    gate = torch.sigmoid(logit - lse).unsqueeze(-1)
+    return torch.lerp(obar, values, gate).to(partial.dtype)
