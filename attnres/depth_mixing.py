@@ -15,13 +15,8 @@ import math
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .two_phase import inverse_rms, naive_depth_attention, phase1, phase2
-
-
-class AttnResRMSNorm(LlamaRMSNorm):
-    """RMSNorm, computed exactly as Llama computes it (in fp32, cast back, then the gain)."""
+from .two_phase import inverse_rms, phase1, phase2
 
 
 def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int:
@@ -40,6 +35,23 @@ def initial_depth_state(residual_mode: str, inputs_embeds: torch.Tensor, eps: fl
     if residual_mode == "standard":
         return (inputs_embeds,)
     return inputs_embeds.unsqueeze(0), inverse_rms(inputs_embeds, eps).unsqueeze(0), None
+
+
+class DepthKeyRMSNorm(nn.Module):
+    """The gain gamma of a depth-mixing step's key RMSNorm, applied to the pseudo-query instead of the keys.
+
+    `w . (gamma * RMSNorm(v)) == (w * gamma) . RMSNorm(v)`, so folding the gain into the query is exact and lets
+    every query share the same normalised keys (SPEC §6). Folding happens in this module's forward so the gain is
+    only read through a module call, which keeps accelerate's offloading hooks (`device_map` with disk / CPU
+    offload) in charge of loading it.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, pseudo_query: torch.Tensor) -> torch.Tensor:
+        return pseudo_query.float() * self.weight.float()
 
 
 class StandardResidual(nn.Module):
@@ -63,21 +75,17 @@ class DepthAttention(nn.Module):
     def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
         super().__init__()
         self.pseudo_query = nn.Parameter(torch.zeros(hidden_size))
-        self.key_norm = AttnResRMSNorm(hidden_size, eps=eps)
+        self.key_norm = DepthKeyRMSNorm(hidden_size)
         self.eps = eps
         self.position = position
         # The block is closed after its last sublayer and after the network's last sublayer, so the output step
         # (position L + 1) always sees complete blocks only.
         self.closes_block = position % block_size == 0 or position == num_sublayers
 
-    def folded_query(self) -> torch.Tensor:
-        """`w * gamma` in fp32: the key-norm gain moved onto the query so all queries share normalised keys."""
-        return self.pseudo_query.float() * self.key_norm.weight.float()
-
     def forward(
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
     ) -> torch.Tensor:
-        query = self.folded_query()
+        query = self.key_norm(self.pseudo_query)
         obar, lse = phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
         if partial is None:
             return obar[0].to(blocks.dtype)
@@ -98,7 +106,8 @@ class DepthAttention(nn.Module):
     ) -> torch.Tensor:
         """The depth-attention weights `[batch, seq, num_sources]` over [b_0, ..., b_{n-1}, partial], for analysis."""
         sources = blocks if partial is None else torch.cat([blocks, partial.unsqueeze(0)])
-        return naive_depth_attention(sources, self.pseudo_query, self.key_norm.weight, self.eps)[1]
+        logits = (sources.float() @ self.key_norm(self.pseudo_query)) * inverse_rms(sources, self.eps)
+        return torch.softmax(logits, dim=0).movedim(0, -1)
 
     def extra_repr(self) -> str:
         return f"sublayer={self.position}, closes_block={self.closes_block}"

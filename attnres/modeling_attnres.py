@@ -20,6 +20,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
+    LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     eager_attention_forward,
@@ -36,7 +37,11 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import AttnResRMSNorm, DepthAttention, depth_mixer, initial_depth_state, pre_norm_eps
+from .depth_mixing import DepthAttention, depth_mixer, initial_depth_state, pre_norm_eps
+
+
+class AttnResRMSNorm(LlamaRMSNorm):
+    """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm."""
 
 
 class AttnResRotaryEmbedding(LlamaRotaryEmbedding):

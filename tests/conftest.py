@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random configs (fast on 2 CPU cores) and helpers to build matching reference models."""
+
+import pytest
+import torch
+
+from attnres import AttnResConfig
+
+
+def tiny_config(**overrides) -> AttnResConfig:
+    """A 3-layer GQA model (6 sublayers): small enough for every test, odd enough to exercise block edges."""
+    fields = dict(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        residual_mode="block",
+        block_size=2,
+    )
+    fields.update(overrides)
+    return AttnResConfig(**fields)
+
+
+def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every pseudo-query and key-norm gain a random non-zero value, as after training."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("pseudo_query"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+            elif "_residual.key_norm" in name:
+                parameter.copy_(1.0 + 0.5 * torch.randn(parameter.shape, generator=generator))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

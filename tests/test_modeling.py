@@ -1,0 +1,508 @@
+"""Core model invariants (SPEC §2-§6): every mode against its exact reference, and the Transformers features."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    StaticCache,
+)
+from transformers.masking_utils import create_causal_mask
+
+from attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
+from attnres.depth_mixing import num_depth_sources
+from attnres.two_phase import inverse_rms, naive_depth_attention, phase1, phase2
+
+from conftest import randomize_depth_parameters, tiny_config
+
+
+LLAMA_FIELDS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "max_position_embeddings rms_norm_eps pad_token_id bos_token_id eos_token_id tie_word_embeddings"
+).split()
+
+
+def llama_twin(config: AttnResConfig) -> LlamaForCausalLM:
+    fields = {name: getattr(config, name) for name in LLAMA_FIELDS}
+    return LlamaForCausalLM(LlamaConfig(**fields, rope_parameters=dict(config.rope_parameters))).eval()
+
+
+def attnres_from(reference: torch.nn.Module, **overrides) -> AttnResForCausalLM:
+    """An AttnRes model holding `reference`'s weights (new depth parameters keep their zero / one init)."""
+    config = tiny_config(**{name: getattr(reference.config, name) for name in LLAMA_FIELDS}, **overrides)
+    model = AttnResForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
+    assert not unexpected
+    assert all(name.endswith(("pseudo_query", "key_norm.weight")) for name in missing)
+    return model
+
+
+def input_batch(config, batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, config.vocab_size, (batch, length), generator=generator)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------- standard == Llama
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_standard_mode_is_llama(tie_word_embeddings):
+    llama = llama_twin(tiny_config(tie_word_embeddings=tie_word_embeddings))
+    model = attnres_from(llama, residual_mode="standard")
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in llama.parameters())
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        expected = llama(ids, output_hidden_states=True)
+        actual = model(ids, output_hidden_states=True)
+    assert max_diff(actual.logits, expected.logits) <= 1e-5
+    assert torch.equal(actual.logits, expected.logits), "standard mode must be bit-compatible with Llama"
+    assert len(actual.hidden_states) == len(expected.hidden_states) == model.config.num_hidden_layers + 1
+    for ours, theirs in zip(actual.hidden_states, expected.hidden_states):
+        assert torch.equal(ours, theirs)
+
+
+def test_standard_moe_is_mixtral():
+    config = tiny_config(residual_mode="standard", num_local_experts=4, num_experts_per_tok=2)
+    fields = {name: getattr(config, name) for name in LLAMA_FIELDS}
+    mixtral = MixtralForCausalLM(
+        MixtralConfig(
+            **fields,
+            rope_parameters=dict(config.rope_parameters),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+        )
+    ).eval()
+    model = AttnResForCausalLM(tiny_config(residual_mode="standard", num_local_experts=4, router_aux_loss_coef=0.02))
+    model.load_state_dict(mixtral.state_dict(), strict=True)
+    model.eval()
+    ids = input_batch(config)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        expected = mixtral(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    assert max_diff(actual.logits, expected.logits) <= 1e-5
+    assert actual.aux_loss.item() == pytest.approx(expected.aux_loss.item(), abs=0, rel=1e-6)
+    assert actual.loss.item() == pytest.approx(expected.loss.item(), rel=1e-6)
+    assert len(actual.router_logits) == config.num_hidden_layers
+
+
+# ------------------------------------------------------------------------- zero-init AttnRes == standard (SPEC §5)
+
+
+@pytest.mark.parametrize("mode,block_size", [("full", None), ("block", 2), ("block", 3), ("block", 6)])
+def test_zero_init_attnres_equals_standard_with_exact_retrofit(mode, block_size):
+    """Zero pseudo-queries average the sources; with each pre-norm's eps divided by k**2 the model is the baseline."""
+    llama = llama_twin(tiny_config(rms_norm_eps=1e-2))  # a large eps makes any eps mistake visible
+    extra = {} if block_size is None else {"block_size": block_size}
+    exact = attnres_from(llama, residual_mode=mode, exact_retrofit=True, **extra)
+    plain = attnres_from(llama, residual_mode=mode, exact_retrofit=False, **extra)
+    ids = input_batch(llama.config)
+    with torch.no_grad():
+        expected = llama(ids).logits
+        assert max_diff(exact(ids).logits, expected) <= 1e-5
+        # Without the retrofit the only difference is eps * k**2 in each norm: visible at eps = 1e-2.
+        assert max_diff(plain(ids).logits, expected) > 1e-3
+
+
+def test_zero_init_attnres_equals_standard_when_eps_is_zero():
+    """With eps = 0, RMSNorm is scale invariant, so the uniform average equals the residual sum after every norm."""
+    llama = llama_twin(tiny_config(rms_norm_eps=0.0))
+    model = attnres_from(llama, residual_mode="block", block_size=3)
+    ids = input_batch(llama.config)
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, llama(ids).logits) <= 1e-5
+
+
+def test_num_depth_sources_follows_spec():
+    # S = 2 over L = 6: blocks {1,2} {3,4} {5,6}
+    assert [num_depth_sources(l, 2, 6) for l in range(1, 8)] == [1, 2, 2, 3, 3, 4, 4]
+    # S = 1 is Full AttnRes: sublayer l attends over v_0..v_{l-1}; the output over v_0..v_L
+    assert [num_depth_sources(l, 1, 6) for l in range(1, 8)] == [1, 2, 3, 4, 5, 6, 7]
+    # S = L: one block, sources [embedding, partial]
+    assert [num_depth_sources(l, 6, 6) for l in range(1, 8)] == [1, 2, 2, 2, 2, 2, 2]
+
+
+# ------------------------------------------------------------------------------ two-phase == naive (SPEC §3, §6)
+
+
+def test_phase1_and_phase2_equal_naive_softmax():
+    generator = torch.Generator().manual_seed(3)
+    blocks = torch.randn(4, 2, 5, 24, generator=generator) * torch.tensor([1.0, 3.0, 0.5, 2.0]).view(4, 1, 1, 1)
+    partial = torch.randn(2, 5, 24, generator=generator)
+    queries = torch.randn(3, 24, generator=generator)
+    gains = 1 + 0.3 * torch.randn(3, 24, generator=generator)
+    eps = 1e-6
+    obar, lse = phase1(blocks, inverse_rms(blocks, eps), queries * gains)
+    for q in range(3):
+        expected_blocks, _ = naive_depth_attention(blocks, queries[q], gains[q], eps)
+        assert max_diff(obar[q], expected_blocks) <= 1e-5
+        expected, weights = naive_depth_attention(torch.cat([blocks, partial[None]]), queries[q], gains[q], eps)
+        merged = phase2(obar[q], lse[q], partial, queries[q] * gains[q], eps)
+        assert max_diff(merged, expected) <= 1e-5
+        assert torch.allclose(weights.sum(-1), torch.ones(2, 5))
+
+
+def naive_logits(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """The whole model the naive way: every depth-mixing step attends over explicitly listed sources (SPEC §3-§4)."""
+    config, decoder = model.config, model.model
+    block_size, num_sublayers = config.depth_block_size, config.num_sublayers
+    embeddings = decoder.embed_tokens(input_ids)
+    position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    position_embeddings = decoder.rotary_emb(embeddings, position_ids)
+    mask = create_causal_mask(
+        config=config, inputs_embeds=embeddings, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    outputs = [embeddings]  # v_0, v_1, ...
+
+    def sources(position: int) -> torch.Tensor:
+        block = (min(position, num_sublayers + 1) - 1) // block_size + 1 if position <= num_sublayers else None
+        if block is None:  # the output attends over every block
+            block = math.ceil(num_sublayers / block_size) + 1
+        completed = [outputs[0]] + [
+            sum(outputs[(n - 1) * block_size + 1 : min(n * block_size, num_sublayers) + 1])
+            for n in range(1, block)
+        ]
+        partial = outputs[(block - 1) * block_size + 1 : position]
+        return torch.stack(completed + ([sum(partial)] if partial else []))
+
+    def mix(position: int, mixer: torch.nn.Module) -> torch.Tensor:
+        return naive_depth_attention(sources(position), mixer.pseudo_query, mixer.key_norm.weight, mixer.eps)[0]
+
+    for index, layer in enumerate(decoder.layers):
+        hidden = layer.input_layernorm(mix(2 * index + 1, layer.attn_residual))
+        outputs.append(layer.self_attn(hidden, position_embeddings, mask)[0])
+        outputs.append(layer.mlp(layer.post_attention_layernorm(mix(2 * index + 2, layer.mlp_residual))))
+    return model.lm_head(decoder.norm(mix(num_sublayers + 1, decoder.output_residual)))
+
+
+@pytest.mark.parametrize("mode,block_size", [("full", None), ("block", 1), ("block", 2), ("block", 3), ("block", 6)])
+@pytest.mark.parametrize("moe", [False, True])
+def test_two_phase_model_equals_naive_with_trained_depth_parameters(mode, block_size, moe):
+    extra = {} if block_size is None else {"block_size": block_size}
+    if moe:
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
+    model = AttnResForCausalLM(tiny_config(residual_mode=mode, **extra)).eval()
+    randomize_depth_parameters(model)
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, naive_logits(model, ids)) <= 1e-5
+
+
+def test_block_size_one_equals_full():
+    full = AttnResForCausalLM(tiny_config(residual_mode="full")).eval()
+    randomize_depth_parameters(full)
+    block = AttnResForCausalLM(tiny_config(residual_mode="block", block_size=1)).eval()
+    block.load_state_dict(full.state_dict())
+    ids = input_batch(full.config)
+    with torch.no_grad():
+        assert torch.equal(block(ids).logits, full(ids).logits)
+        assert max_diff(full(ids).logits, naive_logits(full, ids)) <= 1e-5
+
+
+def test_depth_attention_weights_are_distributions_over_the_spec_sources():
+    model = AttnResForCausalLM(tiny_config(residual_mode="block", block_size=2)).eval()
+    ids = input_batch(model.config)
+    weights = model.model.depth_attention_weights(ids)
+    assert len(weights) == model.config.num_sublayers + 1
+    for name, value in weights.items():
+        position = model.model.get_submodule(name).position
+        k = num_depth_sources(position, 2, model.config.num_sublayers)
+        assert value.shape == (*ids.shape, k)
+        # zero-initialised pseudo-queries: uniform attention
+        assert torch.allclose(value, torch.full_like(value, 1 / k))
+    randomize_depth_parameters(model)
+    trained = model.model.depth_attention_weights(ids)
+    assert all(torch.allclose(w.sum(-1), torch.ones(ids.shape)) for w in trained.values())
+    assert not torch.allclose(trained["output_residual"], weights["output_residual"])
+
+
+# ----------------------------------------------------------------------------------------- Transformers features
+
+
+def trained_model(**overrides) -> AttnResForCausalLM:
+    model = AttnResForCausalLM(tiny_config(**overrides)).eval()
+    randomize_depth_parameters(model)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["standard", "full", "block"])
+def test_cached_generation_equals_uncached(mode):
+    model = trained_model(residual_mode=mode, block_size=3)
+    prompt = input_batch(model.config, batch=1, length=6)
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert cached.shape[1] == prompt.shape[1] + 20
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, static)
+
+
+def test_static_cache_forward_matches_full_forward():
+    model = trained_model()
+    ids = input_batch(model.config, batch=1, length=9)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :5], cache=cache, use_cache=True).logits
+        rest = model(ids[:, 5:], cache=cache, use_cache=True).logits
+    assert max_diff(torch.cat([first, rest], 1), full) <= 1e-5
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_left_padded_batch_equals_each_sequence_alone(attn_implementation):
+    model = trained_model()
+    model.config._attn_implementation = attn_implementation
+    long, short = input_batch(model.config, batch=1, length=9)[0], input_batch(model.config, 1, 5, seed=7)[0]
+    pad = model.config.pad_token_id
+    ids = torch.stack([long, torch.cat([torch.full((4,), pad), short])])
+    mask = torch.tensor([[1] * 9, [0] * 4 + [1] * 5])
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        alone_long = model(long[None]).logits[0]
+        alone_short = model(short[None]).logits[0]
+    assert max_diff(batched[0], alone_long) <= 1e-5
+    assert max_diff(batched[1, 4:], alone_short) <= 1e-5
+    generated = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    alone = model.generate(short[None], max_new_tokens=8, do_sample=False)
+    assert torch.equal(generated[1, 4:], alone[0])
+
+
+def test_eager_equals_sdpa():
+    model = trained_model(residual_mode="full")
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        model.config._attn_implementation = "eager"
+        eager = model(ids).logits
+        model.config._attn_implementation = "sdpa"
+        sdpa = model(ids).logits
+    assert max_diff(eager, sdpa) <= 1e-5
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("mode", ["standard", "block"])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, mode):
+    model = trained_model(residual_mode=mode, block_size=3, num_local_experts=4 if mode == "block" else 0)
+    model.train()
+    ids = input_batch(model.config)
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    checkpointed = gradients()
+    model.activation_checkpointing_disable()
+    assert plain.keys() == checkpointed.keys()
+    if mode == "block":  # the depth parameters are reached through the positional depth state
+        assert any(name.endswith("pseudo_query") for name in plain)
+        assert "model.layers.0.attn_residual.pseudo_query" in checkpointed
+    for name in plain:
+        assert max_diff(plain[name], checkpointed[name]) <= 1e-6, name
+
+
+def test_logits_to_keep_and_sequence_classification():
+    model = trained_model()
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        full = model(ids).logits
+        last = model(ids, logits_to_keep=1).logits
+    assert last.shape[1] == 1 and max_diff(last[:, 0], full[:, -1]) <= 1e-6
+
+    classifier = AutoModelForSequenceClassification.from_config(tiny_config(num_labels=3)).eval()
+    classifier.model.load_state_dict(model.model.state_dict())
+    with torch.no_grad():
+        scores = classifier(ids, labels=torch.tensor([0, 2])).logits
+    assert scores.shape == (2, 3)
+
+
+def test_tied_embeddings_share_storage():
+    model = AttnResForCausalLM(tiny_config(tie_word_embeddings=True))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_torch_compile_fullgraph_traces_every_mode():
+    for mode in ("standard", "full", "block"):
+        model = trained_model(residual_mode=mode, block_size=3)
+        ids = input_batch(model.config)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            assert max_diff(compiled(ids).logits, model(ids).logits) <= 1e-6
+
+
+def test_output_hidden_states_are_the_inputs_each_layer_reads():
+    model = trained_model(block_size=2)
+    ids = input_batch(model.config)
+    inputs = []
+    hooks = [layer.attn_residual.register_forward_hook(lambda m, a, out: inputs.append(out)) for layer in model.model.layers]
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    for hook in hooks:
+        hook.remove()
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    for recorded, expected in zip(out.hidden_states[:-1], inputs):
+        assert torch.equal(recorded, expected)
+    assert torch.equal(out.hidden_states[-1], model.model(ids).last_hidden_state)
+
+
+def test_moe_training_loss_includes_the_router_aux_loss():
+    model = trained_model(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5)
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        with_aux = model(ids, labels=ids, output_router_logits=True)
+        without = model(ids, labels=ids, output_router_logits=False)
+    assert with_aux.aux_loss is not None and without.aux_loss is None
+    assert with_aux.loss.item() == pytest.approx(without.loss.item() + 0.5 * with_aux.aux_loss.item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- numerics
+
+
+def test_bf16_tracks_fp32():
+    """bf16 keeps 8 bits of mantissa (relative step 2**-8 = 0.0039); over 6 sublayers of a random tiny model the
+    logits (std ~0.2-1) drift by a few bf16 steps. Documented tolerance: max |dlogit| <= 0.1, mean <= 0.01, and
+    greedy tokens agree on >= 95% of positions. Depth logits and merges stay in fp32 in both."""
+    model = trained_model(residual_mode="block", block_size=3)
+    ids = input_batch(model.config, batch=2, length=16)
+    with torch.no_grad():
+        reference = model(ids).logits
+        low = model.to(torch.bfloat16)(ids).logits.float()
+    difference = (low - reference).abs()
+    assert difference.max().item() <= 0.1
+    assert difference.mean().item() <= 0.01
+    assert (low.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.95
+
+
+# ----------------------------------------------------------------------------------------- save / load / remote
+
+
+def test_save_load_round_trip_is_bit_identical(tmp_path):
+    model = trained_model(num_local_experts=4)
+    model.save_pretrained(tmp_path)
+    for name in ("configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py", "two_phase.py"):
+        assert (tmp_path / name).is_file(), name
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert set(config.auto_map) >= {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, AttnResForCausalLM)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert isinstance(AutoModel.from_pretrained(tmp_path), AttnResModel)
+
+
+def test_remote_code_loads_without_the_package(tmp_path):
+    model = trained_model(residual_mode="block", block_size=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import importlib.abc, importlib.util, sys
+        class HideAttnRes(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "attnres" or name.startswith("attnres."):
+                    raise ModuleNotFoundError(name)
+        sys.meta_path.insert(0, HideAttnRes())
+        sys.path = [p for p in sys.path if not p.startswith({os.getcwd()!r})]
+        try:
+            import attnres
+            raise SystemExit("attnres is importable: the test would prove nothing")
+        except ModuleNotFoundError:
+            pass
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
+        assert "attnres" not in type(model).__module__.split(".")[0], type(model).__module__
+        data = torch.load({str(tmp_path / 'expected.pt')!r})
+        with torch.no_grad():
+            diff = (model(data["ids"]).logits - data["logits"]).abs().max().item()
+        assert diff == 0.0, diff
+        base = AutoModel.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True)
+        print("REMOTE_OK", type(model).__module__, type(base).__name__)
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REMOTE_OK transformers_modules" in result.stdout
+    assert "AttnResModel" in result.stdout
+
+
+def test_device_map_auto_loads_and_matches(tmp_path):
+    """A memory cap forces accelerate to offload part of the model to disk and run it through its hooks."""
+    model = trained_model(hidden_size=256, intermediate_size=512, num_local_experts=2, num_experts_per_tok=1)
+    model.save_pretrained(tmp_path / "ckpt")
+    half = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt", device_map="auto", max_memory={"cpu": half}, offload_folder=tmp_path / "offload"
+    ).eval()
+    assert "disk" in loaded.hf_device_map.values() and "cpu" in loaded.hf_device_map.values()
+    ids = input_batch(model.config)
+    with torch.no_grad():
+        assert max_diff(loaded(ids).logits, model(ids).logits) <= 1e-6
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(loaded.generate(ids[:1], **kwargs), model.generate(ids[:1], **kwargs))
+
+
+# ------------------------------------------------------------------------------------------------ config errors
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("residual_mode", "dense", "'standard' | 'full' | 'block'"),
+        ("block_size", 0, "from 1 to 2 * num_hidden_layers = 6"),
+        ("block_size", 7, "from 1 to 2 * num_hidden_layers = 6"),
+        ("num_key_value_heads", 3, "divisor of num_attention_heads"),
+        ("hidden_size", 0, "positive integer"),
+        ("num_hidden_layers", -1, "positive integer"),
+        ("rms_norm_eps", -1.0, ">= 0"),
+        ("attention_dropout", 1.5, "[0, 1]"),
+        ("num_local_experts", -2, "positive number of experts"),
+        ("num_experts_per_tok", 5, "from 1 to num_local_experts"),
+        ("router_jitter_noise", -0.1, ">= 0"),
+        ("sliding_window", 0, "positive integer"),
+        ("depth_kernel", "cuda", "'auto' | 'reference'"),
+        ("head_dim", 7, "even integer"),
+    ],
+)
+def test_invalid_config_field_raises_naming_it(field, value, message):
+    overrides = {field: value}
+    if field == "num_experts_per_tok":
+        overrides["num_local_experts"] = 4
+    with pytest.raises(ValueError) as error:
+        tiny_config(**overrides)
+    assert f"AttnResConfig.{field}=" in str(error.value)
+    assert message in str(error.value)
+
+
+def test_default_block_size_gives_about_eight_blocks():
+    config = AttnResConfig(num_hidden_layers=30, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    assert config.block_size == 8 and math.ceil(config.num_sublayers / config.block_size) == 8
+    assert AttnResConfig(num_hidden_layers=27, hidden_size=64, num_attention_heads=4).block_size == 7
