@@ -1,0 +1,197 @@
+"""What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, in the same process.
+
+For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
+the MoE rows) and the workloads are timed with interleaved repetitions (baseline, standard, block, full, baseline,
+...), so machine noise hits every model alike; the table reports median times and their ratio to the baseline of
+the same run.
+
+Workloads (fp32):
+- prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
+- decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt;
+- train: forward + backward of a batch of 4 x 256 tokens;
+- memory: peak resident memory added by one training step, measured in a fresh subprocess per model.
+
+Usage:
+    python benchmarks/overhead.py                  # eager, both shapes, ~5 minutes on 2 cores
+    python benchmarks/overhead.py --compile        # also torch.compile (both models compiled alike)
+    python benchmarks/overhead.py --shapes small --repeats 3   # quick look
+
+Prints a markdown table and writes JSON to benchmarks/results/overhead.json.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from attnres import AttnResConfig, AttnResForCausalLM
+
+
+SHAPES = {
+    # SmolLM2-135M: 30 decoder layers (60 sublayers), default Block AttnRes S = 8 -> 8 blocks
+    "smollm2-135m": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+    "small": dict(
+        vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+    "small-moe": dict(
+        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2,
+    ),
+}
+MODES = ("standard", "block", "full")
+PREFILL_TOKENS, DECODE_PROMPT, DECODE_STEPS, TRAIN_BATCH, TRAIN_TOKENS = 512, 512, 64, 4, 256
+
+
+def build_models(shape_name: str) -> dict[str, torch.nn.Module]:
+    """The baseline and one AttnRes model per mode, all holding the baseline's weights."""
+    shape = dict(SHAPES[shape_name], max_position_embeddings=1024)
+    torch.manual_seed(0)
+    if shape.get("num_local_experts"):
+        baseline = MixtralForCausalLM(MixtralConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+        baseline_name = "mixtral"
+    else:
+        baseline = LlamaForCausalLM(LlamaConfig(**shape))
+        baseline_name = "llama"
+    models = {baseline_name: baseline}
+    for mode in MODES:
+        model = AttnResForCausalLM(AttnResConfig(**shape, residual_mode=mode))
+        missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
+        assert not unexpected and all(k.endswith(("pseudo_query", "key_norm.weight")) for k in missing)
+        models[mode] = model
+    return models
+
+
+def prefill(model, ids):
+    with torch.inference_mode():
+        model(ids, use_cache=False, logits_to_keep=1)
+
+
+def decode(model, ids):
+    """Per-token latency: 64 greedy steps after the prompt (prompt processing not timed)."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            logits = model(token, cache=cache, use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - start) / DECODE_STEPS
+
+
+def train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+
+
+def timed(function, model, ids) -> float:
+    start = time.perf_counter()
+    result = function(model, ids)
+    return result if result is not None else time.perf_counter() - start
+
+
+def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str, dict[str, float]]:
+    vocab = next(iter(models.values())).config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "prefill": torch.randint(0, vocab, (1, PREFILL_TOKENS), generator=generator),
+        "decode": torch.randint(0, vocab, (1, DECODE_PROMPT), generator=generator),
+        "train": torch.randint(0, vocab, (TRAIN_BATCH, TRAIN_TOKENS), generator=generator),
+    }
+    workloads = {"prefill": prefill, "decode": decode, "train": train_step}
+    results = {}
+    for workload, function in workloads.items():
+        runners = {}
+        for name, model in models.items():
+            model.train(workload == "train")
+            runners[name] = torch.compile(model, dynamic=workload == "decode") if compile_models else model
+        samples = {name: [] for name in models}
+        for name, runner in runners.items():  # warm-up (and compilation)
+            timed(function, runner, inputs[workload])
+        for _ in range(repeats):
+            for name, runner in runners.items():
+                samples[name].append(timed(function, runner, inputs[workload]))
+        results[workload] = {name: statistics.median(values) for name, values in samples.items()}
+    return results
+
+
+def peak_train_memory(shape: str, name: str) -> float:
+    """MiB of resident memory one training step adds on top of the built model, in a fresh process."""
+    code = f"""
+import resource, sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from overhead import build_models, train_step, TRAIN_BATCH, TRAIN_TOKENS
+model = build_models({shape!r})[{name!r}].train()
+ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+train_step(model, ids)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return float(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+
+    rows = []
+    for shape in args.shapes:
+        models = build_models(shape)
+        baseline = next(iter(models))
+        for execution in ["eager"] + (["compile"] if args.compile else []):
+            times = measure_times(models, args.repeats, compile_models=execution == "compile")
+            for name in models:
+                row = {"shape": shape, "mode": execution, "model": name}
+                for workload, medians in times.items():
+                    row[f"{workload}_s"] = medians[name]
+                    row[f"{workload}_ratio"] = medians[name] / medians[baseline]
+                rows.append(row)
+        if not args.no_memory:
+            memory = {name: peak_train_memory(shape, name) for name in models}
+            for row in rows:
+                if row["shape"] == shape:
+                    row["train_peak_mib"] = memory[row["model"]]
+                    row["train_peak_ratio"] = memory[row["model"]] / memory[baseline]
+        del models
+
+    header = "| shape | mode | model | prefill | decode / token | train step | train peak memory |"
+    print(header)
+    print("|" + "---|" * 7)
+    for row in rows:
+        memory = f"{row['train_peak_ratio']:.3f}x ({row['train_peak_mib']:.0f} MiB)" if "train_peak_mib" in row else "-"
+        print(
+            f"| {row['shape']} | {row['mode']} | {row['model']} | {row['prefill_ratio']:.3f}x ({row['prefill_s'] * 1e3:.0f} ms)"
+            f" | {row['decode_ratio']:.3f}x ({row['decode_s'] * 1e3:.1f} ms) | {row['train_ratio']:.3f}x"
+            f" ({row['train_s'] * 1e3:.0f} ms) | {memory} |"
+        )
+    machine = {
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "rows": rows}, indent=2))
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Triton kernels (`attnres.kernels`) against the PyTorch reference (`attnres.two_phase`), and the model's dispatch.
+
+The kernel cases run on CPU tensors in Triton's interpreter. Triton decides interpretation when it is first imported
+(its standard library, `tl.sum` and friends, is decorated then), and any test session has imported it long before
+this module (attnres imports transformers, whose torch._dynamo imports probe for Triton). So in a normal session this
+module collects one test, `test_kernels_under_interpreter`, which runs the file again in a child pytest process
+started with `TRITON_INTERPRET=1`; in that child (or in any session started with `TRITON_INTERPRET=1`) it collects
+the cases in `TestKernels` instead.
+
+Tolerances: the expected values are the reference evaluated in fp32 on the same input values (bf16 and fp16 inputs
+convert to fp32 exactly). fp32 results agree to 1e-5 of the tensor's largest magnitude: the kernels and torch only sum
+in different orders, and sums such as a query gradient over every token cancel, so the error scales with the terms,
+not the result. Results stored in bf16 / fp16 are such an fp32 value rounded once, which moves it by at most half a
+unit in the last place, so those get `rtol = finfo(dtype).eps` (one unit) on top. The reference run in bf16 itself is
+not the yardstick: it rounds more often (the partial sum's gradient reaches it along two paths, each cast to bf16
+before they are added).
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from attnres import AttnResForCausalLM
+from attnres.depth_mixing import depth_mixer, depth_ops
+from attnres.kernels import phase1, phase2
+from attnres.kernels import common
+from attnres.two_phase import inverse_rms
+from attnres.two_phase import phase1 as reference_phase1
+from attnres.two_phase import phase2 as reference_phase2
+
+from conftest import randomize_depth_parameters, tiny_config
+
+
+INTERPRETED = isinstance(tl.sum, InterpretedFunction)
+FP32_TOL = 1e-5
+EPS = 1e-6
+
+# (num_blocks N, num_queries Q, token layout, hidden D). Hidden sizes are not powers of two, so every load is masked;
+# N=1 is the first block (the embedding alone), (1,) and () are one token (decode, and no token axes at all),
+# N=5 x Q=6 makes the hidden size span two chunks in phase 1, D=1100 spans two chunks in phase 2.
+PHASE1_SHAPES = [(3, 2, (2, 3), 48), (1, 1, (1,), 100), (4, 3, (), 20), (5, 6, (1, 3), 100), (2, 1, (3,), 1100)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """`actual` is `expected` (fp32) up to summation order, plus one rounding if stored in bf16 / fp16 (docstring)."""
+    assert actual.shape == expected.shape
+    rtol = FP32_TOL if actual.dtype == torch.float32 else torch.finfo(actual.dtype).eps
+    atol = FP32_TOL * max(1.0, expected.float().abs().max().item())
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def run_with_grads(fn, inputs: tuple[torch.Tensor, ...], grad_outputs: tuple[torch.Tensor, ...], *args):
+    """`fn(*inputs, *args)` and the gradients of `sum(output * grad_output)` w.r.t. every input."""
+    leaves = tuple(x.detach().requires_grad_() for x in inputs)
+    outputs = fn(*leaves, *args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    torch.autograd.backward(outputs, grad_outputs)
+    return outputs, tuple(x.grad for x in leaves)
+
+
+def phase1_inputs(num_blocks: int, num_queries: int, tokens: tuple[int, ...], hidden: int, dtype: torch.dtype):
+    blocks = (3 * torch.randn(num_blocks, *tokens, hidden)).to(dtype)
+    return blocks, inverse_rms(blocks, EPS), torch.randn(num_queries, hidden)
+
+
+def phase2_inputs(tokens: tuple[int, ...], hidden: int, dtype: torch.dtype):
+    obar, lse = torch.randn(*tokens, hidden), 2 * torch.randn(tokens)
+    return obar, lse, (3 * torch.randn(*tokens, hidden)).to(dtype), torch.randn(hidden)
+
+
+class TestKernels:
+    """The kernels in Triton's interpreter, on CPU tensors (see the module docstring for when this is collected)."""
+
+    __test__ = INTERPRETED
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("shape", PHASE1_SHAPES, ids=str)
+    def test_phase1_matches_reference(self, shape, dtype):
+        inputs = phase1_inputs(*shape, dtype)
+        num_queries, tokens, hidden = shape[1:]
+        grads = (torch.randn(num_queries, *tokens, hidden), torch.randn(num_queries, *tokens))
+        (obar, lse), kernel_grads = run_with_grads(phase1, inputs, grads)
+        (ref_obar, ref_lse), ref_grads = run_with_grads(reference_phase1, tuple(x.float() for x in inputs), grads)
+        assert obar.dtype == lse.dtype == torch.float32
+        assert_matches(obar, ref_obar)
+        assert_matches(lse, ref_lse)
+        for x, grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
+            assert grad.dtype == x.dtype
+            assert_matches(grad, ref_grad)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100)], ids=str)
+    def test_phase2_matches_reference(self, tokens, hidden, dtype):
+        inputs = phase2_inputs(tokens, hidden, dtype)
+        grad = torch.randn(*tokens, hidden).to(dtype)
+        (h,), kernel_grads = run_with_grads(phase2, inputs, (grad,), EPS)
+        fp32_inputs = tuple(x.float() for x in inputs)
+        (ref_h,), ref_grads = run_with_grads(reference_phase2, fp32_inputs, (grad.float(),), EPS)
+        assert h.dtype == dtype
+        assert_matches(h, ref_h)
+        for x, kernel_grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
+            assert kernel_grad.dtype == x.dtype
+            assert_matches(kernel_grad, ref_grad)
+
+    def test_non_contiguous_inputs(self):
+        blocks = torch.randn(3, 5, 2, 40).transpose(1, 2)
+        queries = torch.randn(4, 40)
+        obar, lse = phase1(blocks, inverse_rms(blocks, EPS), queries)
+        ref_obar, ref_lse = reference_phase1(blocks, inverse_rms(blocks, EPS), queries)
+        assert_matches(obar, ref_obar)
+        partial = torch.randn(5, 2, 40).transpose(0, 1)
+        args = (obar[1], lse[1], partial, queries[1], EPS)
+        assert_matches(phase2(*args), reference_phase2(*args))
+
+    def test_query_gradient_reduction_over_many_rows(self, monkeypatch):
+        """More rows than the reduction has splits, so each program loops; bf16 rows, fp32 result."""
+        monkeypatch.setattr(common, "_REDUCTION_SPLITS", 3)
+        coef, rows = torch.randn(3, 200), torch.randn(200, 20).to(torch.bfloat16)
+        expected = (coef.double() @ rows.double()).float()
+        torch.testing.assert_close(common.weighted_row_sum(coef, rows), expected, rtol=FP32_TOL, atol=1e-4)
+
+    @pytest.mark.parametrize("op_name", ["phase1", "phase2"])
+    def test_custom_op_registration(self, op_name):
+        """Schema, fake tensors, autograd registration and AOT tracing: what torch.compile relies on."""
+        if op_name == "phase1":
+            op, args = torch.ops.attnres.phase1.default, phase1_inputs(3, 2, (2, 3), 48, torch.bfloat16)
+            args = (args[0].requires_grad_(), args[1].requires_grad_(), args[2].requires_grad_())
+        else:
+            op = torch.ops.attnres.phase2.default
+            args = (*(x.requires_grad_() for x in phase2_inputs((2, 3), 48, torch.float32)), EPS)
+        torch.library.opcheck(op, args)
+
+    @pytest.mark.parametrize("residual_mode", ["block", "full"])
+    def test_model_uses_kernels_and_matches_reference(self, residual_mode, monkeypatch):
+        model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode))
+        randomize_depth_parameters(model)
+        ids = torch.randint(3, model.config.vocab_size, (2, 5))
+
+        def logits_and_query_grads(kernel: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
+            model.zero_grad()
+            logits = model(ids).logits
+            logits.square().mean().backward()
+            return logits.detach(), [p.grad for n, p in model.named_parameters() if n.endswith("pseudo_query")]
+
+        assert depth_ops(torch.device("cpu"), "auto")[0] is not phase1
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
+        assert depth_ops(torch.device("cpu"), "auto")[0] is phase1
+
+        logits, grads = logits_and_query_grads("triton")
+        ref_logits, ref_grads = logits_and_query_grads("reference")
+        assert_matches(logits, ref_logits)
+        # The first sublayer attends over the embedding alone, so its softmax (and query gradient) is constant.
+        assert grads[0].abs().max() == 0 and all(grad.abs().max() > 0 for grad in grads[1:])
+        for grad, ref_grad in zip(grads, ref_grads, strict=True):
+            assert_matches(grad, ref_grad)
+
+
+def test_kernels_under_interpreter():
+    """Run this file in a child pytest process with `TRITON_INTERPRET=1`, where `TestKernels` is collected."""
+    assert os.environ.get("TRITON_INTERPRET") != "1", "TRITON_INTERPRET=1 was set after triton had been imported"
+    tests_dir = Path(__file__).resolve().parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
+        cwd=tests_dir.parent,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = result.stdout[-6000:] + result.stderr[-3000:]
+    assert result.returncode == 0, report
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"=*\s*\d+ passed(, \d+ warnings?)? in .*", summary), report
+    assert int(re.search(r"(\d+) passed", summary).group(1)) > len(DTYPES) * len(PHASE1_SHAPES), report
+
+
+test_kernels_under_interpreter.__test__ = not INTERPRETED
+
+
+@pytest.mark.parametrize(
+    "device, config_kernel, env, uses_kernels",
+    [
+        ("cpu", "auto", None, False),
+        ("cuda", "auto", None, True),
+        ("cuda", "reference", None, False),
+        ("cuda", "auto", "reference", False),
+        ("cpu", "auto", "triton", True),
+        ("cpu", "reference", "triton", False),
+    ],
+)
+def test_depth_ops_dispatch(device, config_kernel, env, uses_kernels, monkeypatch):
+    """Kernels on CUDA under `"auto"`, the reference otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs
+    nothing, so a CUDA device object is enough."""
+    if env is None:
+        monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
+    ops = depth_ops(torch.device(device), config_kernel)
+    expected = (phase1, phase2) if uses_kernels else (reference_phase1, reference_phase2)
+    assert ops == expected
+
+
+def test_depth_ops_without_triton_falls_back_unless_demanded(monkeypatch):
+    """Where `attnres.kernels` cannot be imported (remote code without the package, or no Triton)."""
+    monkeypatch.setitem(sys.modules, "attnres.kernels", None)
+    monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
+    assert depth_ops(torch.device("cuda"), "auto") == (reference_phase1, reference_phase2)
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
+    with pytest.raises(ImportError):
+        depth_ops(torch.device("cuda"), "auto")
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "fast")
+    with pytest.raises(ValueError, match="ATTNRES_DEPTH_KERNEL"):
+        depth_ops(torch.device("cuda"), "auto")
+
+
+def test_depth_kernel_config_reaches_the_module():
+    assert depth_mixer(tiny_config(depth_kernel="reference"), 2).depth_kernel == "reference"
+    assert depth_mixer(tiny_config(), 2).depth_kernel == "auto"
