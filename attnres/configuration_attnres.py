@@ -8,6 +8,10 @@ from transformers.modeling_rope_utils import RopeParameters
 
 
 RESIDUAL_MODES = ("standard", "full", "block")
+# Residual connections from other papers, for ablations (SPEC §7); conversions target RESIDUAL_MODES only.
+COMPARISON_MODES = ("denseformer", "hc", "mhc")
+# The paper's Table 4 ablations of AttnRes (SPEC §7), applied to Full or Block AttnRes.
+DEPTH_ABLATIONS = ("input_query", "sigmoid", "no_key_norm", "sliding_window", "multi_head")
 # Written into every saved config so the folder loads with `trust_remote_code=True` through any of these Auto classes
 # (saving one model class would otherwise only record that class).
 AUTO_MAP = {
@@ -26,6 +30,9 @@ class AttnResConfig(PreTrainedConfig):
     Every field Llama and Mixtral use keeps its Transformers name and meaning, so a Llama or Mixtral config maps onto
     this one field by field. The MoE MLP is used when `num_local_experts > 0`; otherwise each decoder layer has a
     dense SwiGLU MLP.
+
+    `qkv_bias=True` puts a bias on the query, key and value projections only (Qwen2's layout), where
+    `attention_bias=True` puts one on all four attention projections (Llama's).
 
     Residual fields:
         residual_mode (`str`, defaults to `"block"`):
@@ -48,6 +55,24 @@ class AttnResConfig(PreTrainedConfig):
             `"auto"` uses the Triton kernels for block aggregation on CUDA when Triton is importable and the
             PyTorch reference otherwise; `"reference"` always uses the PyTorch reference. The environment variable
             `ATTNRES_DEPTH_KERNEL=reference` forces the reference too.
+
+    Comparison fields (SPEC §7; for ablation studies):
+        residual_mode (`str`) also accepts `"denseformer"` (a depth-weighted average after decoder blocks), `"hc"`
+            (Hyper-Connections) and `"mhc"` (Manifold-Constrained Hyper-Connections). DenseFormer and HC equal the
+            `"standard"` model at initialisation.
+        depth_ablation (`str`, *optional*):
+            One of the paper's AttnRes ablations, with `residual_mode="full"` or `"block"`: `"input_query"` (a
+            per-token query projected from the newest source), `"sigmoid"` (independent sigmoid weights instead of a
+            softmax), `"no_key_norm"` (scores on raw sources), `"sliding_window"` (the embedding and the newest
+            `depth_window` sources), `"multi_head"` (`depth_heads` heads over `hidden_size / depth_heads` channels).
+        depth_window (`int`, defaults to 8): sources besides the embedding that `"sliding_window"` keeps.
+        depth_heads (`int`, defaults to 4): heads of `"multi_head"`; must divide `hidden_size`.
+        dwa_dilation (`int`, defaults to 1), dwa_period (`int`, defaults to 1):
+            DenseFormer's k and p: the average after block i reads blocks i, i - k, i - 2k, ... (and the embedding
+            when i is a multiple of k); averages follow every p-th block and the last.
+        hc_streams (`int`, defaults to 4): the number n of residual streams of `"hc"` and `"mhc"` (at least 2).
+        sinkhorn_iterations (`int`, defaults to 20): Sinkhorn-Knopp iterations that make mHC's stream mixing
+            doubly stochastic.
     """
 
     model_type = "attnres"
@@ -86,6 +111,7 @@ class AttnResConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
+    qkv_bias: bool = False
     attention_dropout: float = 0.0
     mlp_bias: bool = False
     sliding_window: int | None = None
@@ -100,6 +126,14 @@ class AttnResConfig(PreTrainedConfig):
     block_size: int | None = None
     exact_retrofit: bool = False
     depth_kernel: str = "auto"
+    # Comparison residuals and AttnRes ablations (SPEC §7)
+    depth_ablation: str | None = None
+    depth_window: int = 8
+    depth_heads: int = 4
+    dwa_dilation: int = 1
+    dwa_period: int = 1
+    hc_streams: int = 4
+    sinkhorn_iterations: int = 20
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -130,8 +164,8 @@ class AttnResConfig(PreTrainedConfig):
         def fail(field: str, allowed: str) -> None:
             raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r} is invalid: allowed values are {allowed}.")
 
-        if self.residual_mode not in RESIDUAL_MODES:
-            fail("residual_mode", " | ".join(repr(m) for m in RESIDUAL_MODES))
+        if self.residual_mode not in RESIDUAL_MODES + COMPARISON_MODES:
+            fail("residual_mode", " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
         if self.depth_kernel not in ("auto", "reference"):
             fail("depth_kernel", "'auto' | 'reference'")
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -155,6 +189,18 @@ class AttnResConfig(PreTrainedConfig):
             fail("router_jitter_noise", "a number >= 0")
         if self.sliding_window is not None and self.sliding_window < 1:
             fail("sliding_window", "None or a positive integer")
+        if self.depth_ablation is not None and (
+            self.depth_ablation not in DEPTH_ABLATIONS or self.residual_mode not in ("full", "block")
+        ):
+            allowed = " | ".join(repr(a) for a in DEPTH_ABLATIONS)
+            fail("depth_ablation", f"None, or with residual_mode 'full' or 'block' one of {allowed}")
+        for field in ("depth_window", "dwa_dilation", "dwa_period", "sinkhorn_iterations"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                fail(field, "a positive integer")
+        if not isinstance(self.depth_heads, int) or self.depth_heads < 1 or self.hidden_size % self.depth_heads:
+            fail("depth_heads", f"a positive divisor of hidden_size = {self.hidden_size}")
+        if not isinstance(self.hc_streams, int) or self.hc_streams < 2:
+            fail("hc_streams", "an integer >= 2 (one stream is the plain residual)")
 
 
 AttnResConfig.register_for_auto_class()

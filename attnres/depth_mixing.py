@@ -9,13 +9,19 @@ decoder layers, so reentrant activation checkpointing sees every tensor:
 - Block / Full AttnRes (SPEC §3-§4): `(blocks, blocks_inv_rms, partial)`: the completed block representations
   stacked `[N, batch, seq, D]` (b_0 = embedding), their inverse RMS (keys are normalised once per block and
   reused by every later query), and the running sum of the current block (`None` before its first sublayer).
+  The paper's Table 4 ablations of AttnRes (`depth_ablation`) keep this state and compute the naive form.
+- DenseFormer, Hyper-Connections and mHC (SPEC §7, for comparison): see `residual_variants.py`.
 """
 
 import math
+import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import initialization as init
 
+from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
 from .two_phase import inverse_rms, phase1, phase2
 
 
@@ -30,11 +36,42 @@ def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int
     return completed_blocks if opens_block else completed_blocks + 1
 
 
-def initial_depth_state(residual_mode: str, inputs_embeds: torch.Tensor, eps: float) -> tuple:
-    """The depth state before the first sublayer: the embedding is the whole residual stream, or block b_0."""
-    if residual_mode == "standard":
+def initial_depth_state(config, inputs_embeds: torch.Tensor) -> tuple:
+    """The depth state before the first sublayer for `config.residual_mode`: the embedding is the whole residual
+    stream, block b_0, DenseFormer's stream and x_0, or every one of the Hyper-Connections streams."""
+    mode = config.residual_mode
+    if mode == "standard":
         return (inputs_embeds,)
-    return inputs_embeds.unsqueeze(0), inverse_rms(inputs_embeds, eps).unsqueeze(0), None
+    if mode == "denseformer":
+        return inputs_embeds, inputs_embeds.unsqueeze(0)
+    if mode in ("hc", "mhc"):
+        return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
+    return inputs_embeds.unsqueeze(0), inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0), None
+
+
+def depth_ops(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable]:
+    """The `(phase1, phase2)` pair that computes depth attention for tensors on `device`.
+
+    The Triton kernels (`attnres.kernels`, same signatures and numerics as `two_phase`) are used on CUDA when Triton
+    is importable and neither `depth_kernel` (the config field) nor the environment variable
+    `ATTNRES_DEPTH_KERNEL` says `"reference"`; otherwise the PyTorch reference. `ATTNRES_DEPTH_KERNEL=triton`
+    demands the kernels on any device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and
+    fails if they cannot be imported. The import is absolute and inside `try` because this file is copied flat into
+    remote-code checkpoints, which must load where neither `attnres` nor Triton is installed.
+    """
+    override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
+    if override not in ("auto", "reference", "triton"):
+        raise ValueError(f"ATTNRES_DEPTH_KERNEL must be 'auto', 'reference' or 'triton', got {override!r}")
+    if depth_kernel == "reference" or override == "reference" or (override == "auto" and device.type != "cuda"):
+        return phase1, phase2
+    try:
+        from attnres.kernels import phase1 as kernel_phase1
+        from attnres.kernels import phase2 as kernel_phase2
+    except ImportError:
+        if override == "triton":
+            raise
+        return phase1, phase2
+    return kernel_phase1, kernel_phase2
 
 
 class DepthKeyRMSNorm(nn.Module):
@@ -72,12 +109,21 @@ class DepthAttention(nn.Module):
     (SPEC §6): phase 1 over the completed blocks, then the online-softmax merge with the partial sum.
     """
 
-    def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        position: int,
+        block_size: int,
+        num_sublayers: int,
+        depth_kernel: str = "auto",
+    ):
         super().__init__()
         self.pseudo_query = nn.Parameter(torch.zeros(hidden_size))
         self.key_norm = DepthKeyRMSNorm(hidden_size)
         self.eps = eps
         self.position = position
+        self.depth_kernel = depth_kernel
         # The block is closed after its last sublayer and after the network's last sublayer, so the output step
         # (position L + 1) always sees complete blocks only.
         self.closes_block = position % block_size == 0 or position == num_sublayers
@@ -86,10 +132,11 @@ class DepthAttention(nn.Module):
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
     ) -> torch.Tensor:
         query = self.key_norm(self.pseudo_query)
-        obar, lse = phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
+        phase1_op, phase2_op = depth_ops(blocks.device, self.depth_kernel)
+        obar, lse = phase1_op(blocks, blocks_inv_rms, query.unsqueeze(0))
         if partial is None:
             return obar[0].to(blocks.dtype)
-        return phase2(obar[0], lse[0], partial, query, self.eps)
+        return phase2_op(obar[0], lse[0], partial, query, self.eps)
 
     def update(
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor
@@ -113,13 +160,181 @@ class DepthAttention(nn.Module):
         return f"sublayer={self.position}, closes_block={self.closes_block}"
 
 
+class DepthAttentionAblation(DepthAttention):
+    """The naive form of depth attention (SPEC §3) over explicitly listed sources: the paper's Table 4 ablations.
+
+    Each ablation changes one step of the weights: the query (`query`), the scores (`logits`), how scores become
+    weights (`normalize`) or which sources are visible (`sources`). Each also breaks an assumption of the two-phase
+    form (a static query, the softmax merge, a common key norm), so they are computed naively: they exist to measure
+    quality, not speed. Weights are `[K, *tokens, heads]` (one head but for the multi-head ablation), in fp32.
+    """
+
+    def sources(
+        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked sources `[K, *tokens, D]` this step attends over, and their inverse RMS `[K, *tokens]`."""
+        if partial is None:
+            return blocks, blocks_inv_rms
+        partial_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)
+        return torch.cat([blocks, partial.unsqueeze(0)]), torch.cat([blocks_inv_rms, partial_inv_rms])
+
+    def query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+        """The query with the key-norm gain folded in: `[D]`, or `[*tokens, D]` when it depends on the input."""
+        return self.key_norm(self.pseudo_query)
+
+    def logits(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+        scores = (sources.float() * self.query(sources, inv_rms)).sum(-1) * inv_rms
+        return scores.unsqueeze(-1)
+
+    def normalize(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, dim=0)
+
+    def forward(
+        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+    ) -> torch.Tensor:
+        sources, inv_rms = self.sources(blocks, blocks_inv_rms, partial)
+        weights = self.normalize(self.logits(sources, inv_rms))
+        values = sources.float().unflatten(-1, (weights.shape[-1], -1))  # [K, *tokens, heads, D / heads]
+        return (weights.unsqueeze(-1) * values).sum(0).flatten(-2).to(sources.dtype)
+
+    def attention_weights(
+        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The weights `[batch, seq, num_sources]` (averaged over heads), for analysis."""
+        sources, inv_rms = self.sources(blocks, blocks_inv_rms, partial)
+        return self.normalize(self.logits(sources, inv_rms)).mean(-1).movedim(0, -1)
+
+
+class InputDependentQueryDepthAttention(DepthAttentionAblation):
+    """Ablation: a per-token query `w_l + W_l RMSNorm(h)`, with h the newest source (v_{l-1} in Full AttnRes, the
+    running partial sum or the newest completed block in Block AttnRes), i.e. what the network has just computed.
+
+    `W_l` (`query_proj`, D x D) starts at zero, so the model starts as AttnRes with zero pseudo-queries. It costs a
+    D x D projection per sublayer, and the queries of a block can no longer be scored together (no phase 1).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
+        super().__init__(hidden_size, eps, position, block_size, num_sublayers)
+        self.query_proj = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+
+    def query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+        newest = sources[-1].float() * inv_rms[-1].unsqueeze(-1)
+        return self.key_norm(self.pseudo_query.float() + newest @ self.query_proj.float().T)
+
+    def init_residual_parameters(self, std: float) -> None:
+        init.zeros_(self.query_proj)
+
+
+class SigmoidDepthAttention(DepthAttentionAblation):
+    """Ablation: each source's weight is `sigmoid(logit)` on its own: sources do not compete and weights do not sum
+    to 1. With zero pseudo-queries every weight is 1/2, so the input is half the sum of the sources."""
+
+    def normalize(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits)
+
+
+class NoKeyNormDepthAttention(DepthAttentionAblation):
+    """Ablation: scores `w . v_i` on the raw sources, so a source's weight grows with its magnitude as well as its
+    direction. There is no key RMSNorm and no gain (on raw keys a gain would only rescale the query)."""
+
+    def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
+        super().__init__(hidden_size, eps, position, block_size, num_sublayers)
+        del self.key_norm
+
+    def logits(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+        return (sources.float() @ self.pseudo_query.float()).unsqueeze(-1)
+
+
+class SlidingWindowDepthAttention(DepthAttentionAblation):
+    """Ablation: attend over the embedding and the newest `window` sources only (SPEC §7).
+
+    The state keeps b_0 and the newest `window` completed blocks, all that any later step can see, so depth memory
+    is bounded by the window instead of growing with depth.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int, window: int
+    ):
+        super().__init__(hidden_size, eps, position, block_size, num_sublayers)
+        self.window = window
+        self.num_unwindowed_sources = num_depth_sources(position, block_size, num_sublayers)
+
+    def sources(
+        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sources, inv_rms = super().sources(blocks, blocks_inv_rms, partial)
+        start = max(1, sources.shape[0] - self.window)
+        return torch.cat([sources[:1], sources[start:]]), torch.cat([inv_rms[:1], inv_rms[start:]])
+
+    def update(
+        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        blocks, blocks_inv_rms, partial = super().update(blocks, blocks_inv_rms, partial, output)
+        if blocks.shape[0] > self.window + 1:
+            blocks = torch.cat([blocks[:1], blocks[-self.window :]])
+            blocks_inv_rms = torch.cat([blocks_inv_rms[:1], blocks_inv_rms[-self.window :]])
+        return blocks, blocks_inv_rms, partial
+
+    def attention_weights(
+        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The weights over all the sources the unwindowed step would see, zero outside the window."""
+        visible = super().attention_weights(blocks, blocks_inv_rms, partial)
+        hidden = visible.new_zeros(*visible.shape[:-1], self.num_unwindowed_sources - visible.shape[-1])
+        return torch.cat([visible[..., :1], hidden, visible[..., 1:]], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}"
+
+
+class MultiHeadDepthAttention(DepthAttentionAblation):
+    """Ablation: `heads` independent depth attentions, each scoring (with per-head key RMSNorm) and mixing its own
+    `D / heads` channels, so different channel groups can read different depths."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int, heads: int
+    ):
+        super().__init__(hidden_size, eps, position, block_size, num_sublayers)
+        self.heads = heads
+
+    def logits(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+        keys = sources.float().unflatten(-1, (self.heads, -1))  # [K, *tokens, heads, D / heads]
+        keys = keys * inverse_rms(keys, self.eps).unsqueeze(-1)
+        return (keys * self.query(sources, inv_rms).unflatten(-1, (self.heads, -1))).sum(-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, heads={self.heads}"
+
+
 def depth_mixer(config, position: int) -> nn.Module:
     """The depth-mixing module in front of sublayer `position` (1..L; L + 1 is the output) for `config`'s mode."""
-    if config.residual_mode == "standard":
+    mode = config.residual_mode
+    if mode == "standard":
         return StandardResidual()
-    return DepthAttention(
-        config.hidden_size, config.rms_norm_eps, position, config.depth_block_size, config.num_sublayers
-    )
+    if mode == "denseformer":
+        return DepthWeightedAverage(position, config.num_sublayers, config.dwa_dilation, config.dwa_period)
+    if mode in ("hc", "mhc") and position > config.num_sublayers:
+        return StreamAverage()
+    if mode == "hc":
+        return HyperConnection(config.hidden_size, position, config.hc_streams, config.rms_norm_eps)
+    if mode == "mhc":
+        return ManifoldHyperConnection(
+            config.hidden_size, position, config.hc_streams, config.rms_norm_eps, config.sinkhorn_iterations
+        )
+    args = (config.hidden_size, config.rms_norm_eps, position, config.depth_block_size, config.num_sublayers)
+    ablation = config.depth_ablation
+    if ablation is None:
+        return DepthAttention(*args, depth_kernel=config.depth_kernel)
+    if ablation == "sliding_window":
+        return SlidingWindowDepthAttention(*args, window=config.depth_window)
+    if ablation == "multi_head":
+        return MultiHeadDepthAttention(*args, heads=config.depth_heads)
+    ablations = {
+        "input_query": InputDependentQueryDepthAttention,
+        "sigmoid": SigmoidDepthAttention,
+        "no_key_norm": NoKeyNormDepthAttention,
+    }
+    return ablations[ablation](*args)
 
 
 def pre_norm_eps(config, position: int) -> float:
@@ -127,8 +342,19 @@ def pre_norm_eps(config, position: int) -> float:
 
     With `exact_retrofit`, eps / k**2 for a step with k sources (SPEC §5): zero pseudo-queries average the sources,
     and RMSNorm(sum / k, eps / k**2) == RMSNorm(sum, eps), so a converted PreNorm checkpoint is reproduced exactly.
+    Only AttnRes averages its sources; the other modes keep the eps.
     """
-    if config.residual_mode == "standard" or not config.exact_retrofit:
+    if config.residual_mode not in ("full", "block") or not config.exact_retrofit:
         return config.rms_norm_eps
+    return config.rms_norm_eps / zero_query_divisor(config, position) ** 2
+
+
+def zero_query_divisor(config, position: int) -> int:
+    """k such that AttnRes step `position` returns (sum of its sources) / k while its query is zero: its number of
+    sources, counted after the sliding window if any; 2 for the sigmoid ablation (every weight is 1/2)."""
+    if config.depth_ablation == "sigmoid":
+        return 2
     k = num_depth_sources(position, config.depth_block_size, config.num_sublayers)
-    return config.rms_norm_eps / k**2
+    if config.depth_ablation == "sliding_window":
+        return 1 + min(k - 1, config.depth_window)
+    return k

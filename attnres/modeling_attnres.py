@@ -57,7 +57,7 @@ class AttnResSparseMoeBlock(MixtralSparseMoeBlock):
 
 
 class AttnResAttention(nn.Module):
-    """Llama's grouped-query attention, plus Mixtral / Mistral's optional sliding window."""
+    """Llama's grouped-query attention, plus Mixtral / Mistral's optional sliding window and Qwen2's q/k/v bias."""
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
@@ -68,11 +68,13 @@ class AttnResAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
 
     def forward(
         self,
@@ -191,6 +193,10 @@ class AttnResPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, MixtralTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
+        if hasattr(module, "init_residual_parameters"):
+            # Comparison residuals and AttnRes ablations (depth_mixing.py, residual_variants.py) initialise their own
+            # parameters as their papers do, most of them so that a fresh model equals the PreNorm baseline.
+            module.init_residual_parameters(std)
 
 
 class AttnResModel(AttnResPreTrainedModel):
@@ -253,7 +259,7 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        depth_state = initial_depth_state(self.config.residual_mode, inputs_embeds, self.config.rms_norm_eps)
+        depth_state = initial_depth_state(self.config, inputs_embeds)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 *depth_state,

@@ -18,8 +18,8 @@ written once (and, backward, every output gradient read once and every input gra
 such as phase 1's output are not counted, so the figure is comparable across implementations and its ratio to the
 GPU's peak bandwidth bounds what any implementation could still gain.
 
-    python benchmarks/kernels.py                     # GPU: paper-like shapes, about 4 minutes, JSON in results/
-    python benchmarks/kernels.py --interpret --tiny  # CPU, Triton's interpreter: checks the script end to end
+    python -m benchmarks.kernels                     # GPU: paper-like shapes, about 4 minutes, JSON in results/
+    python -m benchmarks.kernels --interpret --tiny  # CPU, Triton's interpreter: checks the script end to end
 """
 
 import os

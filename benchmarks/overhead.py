@@ -12,10 +12,12 @@ Workloads (fp32):
 - memory: peak resident memory added by one training step, measured in a fresh subprocess per model.
 
 Usage:
-    python benchmarks/overhead.py                  # eager, both shapes, ~5 minutes on 2 cores
-    python benchmarks/overhead.py --compile        # also torch.compile (both models compiled alike)
-    python benchmarks/overhead.py --shapes small --repeats 3   # quick look
+    python -m benchmarks.overhead                  # eager, both shapes, ~5 minutes on 2 cores
+    python -m benchmarks.overhead --compile        # also torch.compile (both models compiled alike)
+    python -m benchmarks.overhead --shapes small --repeats 3   # quick look
 
+Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
+first on `sys.path` and `benchmarks/kernels.py` would shadow the `kernels` package that Transformers probes for.
 Prints a markdown table and writes JSON to benchmarks/results/overhead.json.
 """
 
@@ -129,16 +131,16 @@ def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str,
 def peak_train_memory(shape: str, name: str) -> float:
     """MiB of resident memory one training step adds on top of the built model, in a fresh process."""
     code = f"""
-import resource, sys, torch
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from overhead import build_models, train_step, TRAIN_BATCH, TRAIN_TOKENS
+import resource, torch
+from benchmarks.overhead import build_models, train_step, TRAIN_BATCH, TRAIN_TOKENS
 model = build_models({shape!r})[{name!r}].train()
 ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 train_step(model, ids)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 """
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    root = Path(__file__).resolve().parents[1]
+    output = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     return float(output.strip().splitlines()[-1])
 
 
