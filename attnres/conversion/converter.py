@@ -1,0 +1,314 @@
+"""`convert`: retrofit a PreNorm checkpoint (Llama, Mistral, Mixtral, Qwen2) into AttnRes, and prove it.
+
+The shared weights keep their names, so conversion copies tensors shard by shard from the source safetensors into
+the destination, adds zero pseudo-queries and unit key-norm gains, writes an `AttnResConfig` with the exact retrofit
+on (SPEC §5), and copies the tokenizer, chat template, generation config and the remote code. Everything is written
+into a temporary folder beside DST; it becomes DST by a rename only after verification passed, so DST is either
+absent, left as it was, or complete and verified.
+"""
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+from transformers.dynamic_module_utils import custom_object_save
+
+from ..configuration_attnres import RESIDUAL_MODES, AttnResConfig
+from ..modeling_attnres import AttnResForCausalLM
+from .architectures import (
+    ConversionError,
+    TensorRenamer,
+    attnres_config,
+    initial_depth_parameter,
+    is_depth_parameter,
+    source_architecture,
+)
+from .sources import SAFETENSORS_INDEX, LocalSource, copy_carried_files, resolve_source
+from .verify import DEFAULT_TEXT_TOKENS, Tolerance, VerificationError, VerificationReport, verify_conversion
+
+
+@dataclass
+class ConversionReport:
+    """What `convert` did, and the verification's findings when it ran."""
+
+    source: str
+    destination: str
+    architecture: str
+    residual_mode: str
+    block_size: int  # the depth block size in sublayers (1 for Full AttnRes)
+    num_blocks: int
+    num_sublayers: int
+    exact_retrofit: bool
+    dtype: str
+    num_tensors: int
+    num_shards: int
+    depth_parameters: int  # parameters added (pseudo-queries and key-norm gains)
+    carried_files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    verification: VerificationReport | None = None
+
+    def format(self) -> str:
+        lines = [
+            f"Converted {self.architecture} {self.source}",
+            f"       -> {self.destination}",
+            f"  residual        {self.residual_mode}, block size {self.block_size} sublayers, {self.num_blocks} blocks "
+            f"over {self.num_sublayers} sublayers",
+            f"  exact retrofit  {'on (pre-norm eps / k^2)' if self.exact_retrofit else 'off'}",
+            f"  weights         {self.num_tensors} tensors in {self.num_shards} shard(s), {self.dtype}, "
+            f"{self.depth_parameters} depth-mixing parameters added",
+            f"  carried over    {', '.join(self.carried_files) or '-'}",
+            f"  time            {self.seconds:.1f} s",
+        ]
+        if self.verification is not None:
+            lines.append(self.verification.format())
+        else:
+            lines.append("Verification skipped.")
+        return "\n".join(lines)
+
+    __str__ = format
+
+
+def convert(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    mode: str = "block",
+    block_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+    exact_retrofit: bool = True,
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    tolerance: Tolerance = Tolerance(),
+    verify_dtype: torch.dtype = torch.float32,
+    text: str | None = None,
+    max_text_tokens: int = DEFAULT_TEXT_TOKENS,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert a Llama / Mistral / Mixtral / Qwen2 checkpoint into an AttnRes checkpoint at `destination`.
+
+    Args:
+        source: a local Transformers folder (safetensors), a local `.gguf` file, or a Hub repository id. Never
+            modified.
+        destination: the folder to create. Refused if it exists, unless `overwrite`; replaced only after the new
+            checkpoint is complete and verified.
+        mode: `"block"` (Block AttnRes), `"full"` (Full AttnRes), or `"standard"` (a PreNorm baseline in AttnRes
+            format).
+        block_size: Block AttnRes block size in sublayers; defaults to about 8 blocks.
+        dtype: cast floating-point weights to this dtype; by default every tensor keeps its dtype (GGUF files are
+            dequantised to float32).
+        verify: run source and result on probe prompts and a text, and fail unless they agree within `tolerance`.
+        exact_retrofit: give each pre-norm the eps / k^2 of its depth-mixing step so the result equals the source to
+            float precision (SPEC §5). Without it the models differ by the RMSNorm eps, which may fail verification.
+        gguf_file: the GGUF file inside `source` when `source` is a Hub id or a folder.
+        revision: Hub revision for Hub ids.
+        tolerance, verify_dtype, text, max_text_tokens: see `verify_conversion`.
+        progress: show a progress bar per shard.
+
+    Returns:
+        The `ConversionReport` (with its `VerificationReport` when `verify`).
+
+    Raises:
+        ConversionError: the source cannot be converted or the paths are unsafe; nothing is written.
+        VerificationError: the result does not match its source; nothing is written. `error.report` holds the
+            `ConversionReport`.
+    """
+    started = time.perf_counter()
+    if mode not in RESIDUAL_MODES:
+        raise ConversionError(f"mode={mode!r} is invalid: use one of {', '.join(RESIDUAL_MODES)}.")
+    dtype = _as_dtype(dtype)
+    destination = Path(destination).expanduser().resolve()
+    _check_destination(source, destination, overwrite)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+
+    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
+    try:
+        staging, output = work / "source", work / "converted"
+        staging.mkdir()
+        output.mkdir()
+        resolved = resolve_source(source, staging=staging, gguf_file=gguf_file, revision=revision)
+        source_config = AutoConfig.from_pretrained(resolved.folder)
+        architecture = source_architecture(source_config).name
+        config = attnres_config(source_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
+        num_tensors, num_shards, depth_parameters, model_dtype = write_weights(
+            resolved, config, output, dtype=dtype, progress=progress
+        )
+        config.dtype = model_dtype
+        carried = copy_carried_files(resolved, output)
+        config.save_pretrained(output)
+        custom_object_save(AttnResForCausalLM, output)
+
+        report = ConversionReport(
+            source=resolved.description,
+            destination=str(destination),
+            architecture=architecture,
+            residual_mode=mode,
+            block_size=config.depth_block_size,
+            num_blocks=math.ceil(config.num_sublayers / config.depth_block_size),
+            num_sublayers=config.num_sublayers,
+            exact_retrofit=exact_retrofit,
+            dtype=str(model_dtype).removeprefix("torch."),
+            num_tensors=num_tensors,
+            num_shards=num_shards,
+            depth_parameters=depth_parameters,
+            carried_files=carried,
+        )
+        if verify:
+            report.verification = verify_conversion(
+                resolved.folder,
+                output,
+                tolerance=tolerance,
+                dtype=verify_dtype,
+                weights_dtype=dtype,
+                text=text,
+                max_text_tokens=max_text_tokens,
+            )
+            if not report.verification.passed:
+                report.seconds = time.perf_counter() - started
+                raise VerificationError(
+                    report,
+                    f"{destination} was not written: the converted model does not match its source "
+                    f"({'; '.join(report.verification.failures)}).",
+                )
+        _publish(output, destination, work)
+        report.seconds = time.perf_counter() - started
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_weights(
+    source: LocalSource,
+    config: AttnResConfig,
+    output: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> tuple[int, int, int, torch.dtype]:
+    """Stream the source shards into AttnRes shards in `output`, one shard in memory at a time.
+
+    Every tensor the AttnRes model expects must come from the source with the expected shape, except the new
+    depth-mixing parameters, which are added to the last shard; any source tensor without a counterpart is an error
+    rather than silently dropped. Returns (tensors written, shards written, depth parameters added, model dtype).
+    """
+    with torch.device("meta"):
+        expected = {name: tensor.shape for name, tensor in AttnResForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    rename = TensorRenamer(config)
+    shards = source.shards()
+    written: dict[str, torch.dtype] = {}
+    parts: list[tuple[Path, list[str], int]] = []
+    for index, shard in enumerate(shards):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(shard, framework="pt") as reader:
+            names = list(reader.keys())
+            for name in tqdm(names, desc=f"shard {index + 1}/{len(shards)}", unit="tensor", disable=not progress):
+                for new_name, tensor in rename(name, reader.get_tensor(name)):
+                    _check_tensor(name, new_name, tensor, expected, written)
+                    if dtype is not None and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    tensors[new_name] = tensor.contiguous()
+                    written[new_name] = tensor.dtype
+        if index == len(shards) - 1:
+            rename.finish()
+            model_dtype = written.get("model.embed_tokens.weight", dtype or torch.float32)
+            for name, shape in expected.items():
+                if name not in written and is_depth_parameter(name):
+                    tensors[name] = initial_depth_parameter(name, shape, model_dtype)
+                    written[name] = model_dtype
+        if tensors:
+            path = output / f"part-{index}.safetensors"
+            save_file(tensors, path, metadata={"format": "pt"})
+            parts.append((path, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())))
+        del tensors
+
+    missing = [name for name in expected if name not in written]
+    if missing:
+        raise ConversionError(f"{source.description} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}.")
+    _name_shards(parts, output)
+    depth_parameters = sum(expected[name].numel() for name in expected if is_depth_parameter(name))
+    return len(written), len(parts), depth_parameters, model_dtype
+
+
+def _check_tensor(
+    source_name: str,
+    name: str,
+    tensor: torch.Tensor,
+    expected: dict[str, torch.Size],
+    written: dict[str, torch.dtype],
+) -> None:
+    if name not in expected:
+        raise ConversionError(
+            f"Source tensor {source_name} has no counterpart in the AttnRes model; the checkpoint uses a feature the "
+            "conversion does not map, so it is refused rather than converted partially."
+        )
+    if name in written:
+        raise ConversionError(f"Source tensor {source_name} appears twice in the checkpoint.")
+    if tuple(tensor.shape) != tuple(expected[name]):
+        raise ConversionError(
+            f"Source tensor {source_name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name])}."
+        )
+
+
+def _name_shards(parts: list[tuple[Path, list[str], int]], output: Path) -> None:
+    """Give the written parts Transformers' shard names, with an index when there is more than one."""
+    if len(parts) == 1:
+        parts[0][0].rename(output / "model.safetensors")
+        return
+    weight_map, total_size = {}, 0
+    for number, (path, names, size) in enumerate(parts, start=1):
+        shard_name = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
+        path.rename(output / shard_name)
+        weight_map.update(dict.fromkeys(names, shard_name))
+        total_size += size
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (output / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ConversionError(f"dtype={dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float32).")
+    return resolved
+
+
+def _check_destination(source: str | os.PathLike, destination: Path, overwrite: bool) -> None:
+    """Refuse an existing DST (unless `overwrite`) and any DST that would write into or replace SRC."""
+    source_path = Path(source).expanduser()
+    if source_path.exists():
+        source_path = source_path.resolve()
+        if destination == source_path or destination in source_path.parents or source_path in destination.parents:
+            raise ConversionError(f"DST {destination} overlaps SRC {source_path}; the source is never modified.")
+    if destination.exists() or destination.is_symlink():
+        if not overwrite:
+            raise ConversionError(f"DST {destination} already exists; pass overwrite=True (--overwrite) to replace it.")
+        if not destination.is_dir() or destination.is_symlink():
+            raise ConversionError(f"DST {destination} exists and is not a folder; refusing to replace it.")
+
+
+def _publish(output: Path, destination: Path, work: Path) -> None:
+    """Move the finished checkpoint to DST by rename; an existing DST is moved aside first and deleted last."""
+    previous = work / "previous"
+    if destination.exists():
+        destination.rename(previous)
+    try:
+        output.rename(destination)
+    except BaseException:
+        if previous.exists():
+            previous.rename(destination)
+        raise

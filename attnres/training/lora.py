@@ -1,0 +1,53 @@
+"""The PEFT recipe for AttnRes: LoRA on the usual Llama projections, plus the depth-mixing modules trained in full.
+
+    from peft import get_peft_model
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained("smollm2-attnres"), lora_config())
+    ...train...
+    model.save_pretrained("adapter")                       # LoRA weights + the depth modules, a few MB
+    merged = model.merge_and_unload()                      # a plain AttnResForCausalLM again
+    merged.save_pretrained("merged")                       # loads with AutoModelForCausalLM
+
+The shared weights keep Llama's names, so the familiar target names work. The depth modules are tiny (two vectors
+per sublayer) and start from the retrofit identity, so they are trained in full through `modules_to_save` rather
+than given adapters: a low-rank update of a vector is no saving, and PEFT then saves, loads and merges them with
+the adapter.
+"""
+
+from collections.abc import Sequence
+
+from peft import LoraConfig, TaskType
+
+from .depth import DEPTH_MODULE_NAMES
+
+
+LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Llama's attention and dense-MLP projections. MoE models fuse their experts into 3-D parameters
+(`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention only."""
+
+
+def lora_config(
+    r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    target_modules: Sequence[str] = LLAMA_TARGET_MODULES,
+    train_depth: bool = True,
+    **kwargs,
+) -> LoraConfig:
+    """A causal-LM `LoraConfig` for AttnRes models.
+
+    Args:
+        r, lora_alpha, lora_dropout: the usual LoRA hyper-parameters.
+        target_modules: module names that get LoRA adapters (default: every Llama projection).
+        train_depth: also train the pseudo-queries and key norms in full, by listing the depth-mixing modules in
+            `modules_to_save` (saved with the adapter, swapped in by `merge_and_unload`).
+        **kwargs: any other `LoraConfig` field.
+    """
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=list(target_modules),
+        modules_to_save=list(DEPTH_MODULE_NAMES) if train_depth else None,
+        **kwargs,
+    )
