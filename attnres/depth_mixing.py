@@ -97,7 +97,7 @@ class StandardResidual(nn.Module):
     def forward(self, residual: torch.Tensor) -> torch.Tensor:
         return residual
 
-    def update(self, residual: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, residual: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
         return (residual + output,)
 
 
@@ -138,7 +138,7 @@ class DepthAttention(nn.Module):
             return obar[0].to(blocks.dtype)
         return phase2_op(obar[0], lse[0], partial, query, self.eps)
 
-    def update(
+    def absorb(
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         partial = output if partial is None else partial + output
@@ -266,10 +266,10 @@ class SlidingWindowDepthAttention(DepthAttentionAblation):
         start = max(1, sources.shape[0] - self.window)
         return torch.cat([sources[:1], sources[start:]]), torch.cat([inv_rms[:1], inv_rms[start:]])
 
-    def update(
+    def absorb(
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        blocks, blocks_inv_rms, partial = super().update(blocks, blocks_inv_rms, partial, output)
+        blocks, blocks_inv_rms, partial = super().absorb(blocks, blocks_inv_rms, partial, output)
         if blocks.shape[0] > self.window + 1:
             blocks = torch.cat([blocks[:1], blocks[-self.window :]])
             blocks_inv_rms = torch.cat([blocks_inv_rms[:1], blocks_inv_rms[-self.window :]])

@@ -1,7 +1,7 @@
 """Residual connections from other papers, as depth-mixing modules, to compare AttnRes against (SPEC §7).
 
 Every class follows the protocol of `depth_mixing.py`: `forward(*state)` returns the input of the sublayer the module
-sits in front of, and `update(*state, output)` folds that sublayer's raw output back into the depth state. The states:
+sits in front of, and `absorb(*state, output)` folds that sublayer's raw output back into the depth state. The states:
 
 - DenseFormer (Pagliardini et al., arXiv:2402.02622): `(stream, history)`, the PreNorm residual stream and the
   stacked outputs of the decoder blocks so far `[i + 1, batch, seq, D]` (x_0 = the embedding). A depth-weighted
@@ -53,7 +53,7 @@ class DepthWeightedAverage(nn.Module):
     def forward(self, stream: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         return stream
 
-    def update(
+    def absorb(
         self, stream: torch.Tensor, history: torch.Tensor, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stream = stream + output
@@ -94,7 +94,7 @@ class HyperConnection(nn.Module):
     A_r = I, B = 1 and W = 0 keeps every stream equal to the PreNorm residual stream, which with the mean of the
     streams as the output (`StreamAverage`) makes a fresh model exactly the baseline.
 
-    The coefficients are recomputed in `update` rather than cached from `forward`, so the module stays a pure
+    The coefficients are recomputed in `absorb` rather than cached from `forward`, so the module stays a pure
     function of the depth state (activation checkpointing recomputes it; hooks see every call).
     """
 
@@ -119,7 +119,7 @@ class HyperConnection(nn.Module):
         weights = _per_stream(self.static_input, dynamic) + self.input_scale.float() * dynamic
         return _mix_streams(weights, streams).to(streams.dtype)
 
-    def update(self, streams: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, streams: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
         normalized = self._normalized(streams)
         dynamic_residual = torch.tanh(normalized @ self.dynamic_residual.float())  # [n_from, *tokens, n_to]
         residual = self.static_residual.float().view(streams.shape[0], *([1] * (streams.dim() - 2)), -1)
@@ -197,7 +197,7 @@ class ManifoldHyperConnection(nn.Module):
     Initialisation: alpha = 0.01 and phi ~ N(0, std) make the dynamic part a small perturbation; the biases make the
     static part the PreNorm residual (b_pre = logit(1/n): the sublayer reads the mean stream; b_post = 0: each stream
     receives the output once; b_res = 0: the uniform doubly stochastic matrix, which leaves equal streams equal).
-    Coefficients are recomputed in `update`, as in `HyperConnection`.
+    Coefficients are recomputed in `absorb`, as in `HyperConnection`.
     """
 
     def __init__(self, hidden_size: int, position: int, num_streams: int, eps: float, sinkhorn_iterations: int):
@@ -237,7 +237,7 @@ class ManifoldHyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         return _mix_streams(self.input_weights(streams).movedim(-1, 0), streams).to(streams.dtype)
 
-    def update(self, streams: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, streams: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
         post, residual = self.output_and_residual_weights(streams)
         mixed = torch.einsum("...ij,j...d->i...d", residual, streams.float())
         written = post.movedim(-1, 0).unsqueeze(-1) * output.float()

