@@ -423,13 +423,13 @@ def test_remote_code_loads_without_the_package(tmp_path):
     torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
     script = textwrap.dedent(
         f"""
-        import importlib.abc, importlib.util, sys
+        import importlib.abc, importlib.util, os, sys
         class HideAttnRes(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
                 if name == "attnres" or name.startswith("attnres."):
                     raise ModuleNotFoundError(name)
         sys.meta_path.insert(0, HideAttnRes())
-        sys.path = [p for p in sys.path if not p.startswith({os.getcwd()!r})]
+        sys.path = [p for p in sys.path if os.path.abspath(p or ".") != {os.getcwd()!r}]
         try:
             import attnres
             raise SystemExit("attnres is importable: the test would prove nothing")

@@ -297,34 +297,40 @@ def test_peft_lora_with_depth_modules_trains_saves_loads_and_merges(tmp_path):
 
 @pytest.fixture(scope="module")
 def distributed_runs(tmp_path_factory) -> dict[str, dict]:
-    """The same 4 steps as one process, as DDP and as FSDP over 2 processes, launched concurrently."""
+    """The same 4 steps as one process, as DDP and as FSDP over 2 processes."""
     folder = tmp_path_factory.mktemp("distributed")
     script = str(REPO_ROOT / "tests" / "distributed_train.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
     commands = {"single": [sys.executable, script], "ddp": torchrun, "fsdp": torchrun}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    processes = {}
-    try:
-        for strategy, command in commands.items():
-            with open(folder / f"{strategy}.log", "w") as log:  # a file, not a pipe: a full pipe would block a rank
-                processes[strategy] = subprocess.Popen(
-                    [*command, "--strategy", strategy, "--output", str(folder / f"{strategy}.json")],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group, so a hung launcher goes with its workers
-                )
-        for strategy, process in processes.items():
-            returncode = process.wait(timeout=300)
-            log = (folder / f"{strategy}.log").read_text()
-            assert returncode == 0, f"{strategy} failed:\n{log[-4000:]}"
-    finally:
-        for process in processes.values():
+    # Earlier tests in this process (Trainer, accelerate) may leave RANK / MASTER_PORT / ACCELERATE_* behind, which
+    # would make the single run wait for a process group and the launched ranks join the wrong one.
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in launcher_vars and not name.startswith(("TORCHELASTIC_", "ACCELERATE_"))
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    for strategy, command in commands.items():  # one after another: two concurrent launchers hung at exit in CI
+        with open(folder / f"{strategy}.log", "w") as log:  # a file, not a pipe: a full pipe would block a rank
+            process = subprocess.Popen(
+                [*command, "--strategy", strategy, "--output", str(folder / f"{strategy}.json")],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, so a hung launcher goes with its workers
+            )
+        try:
+            returncode = process.wait(timeout=120)
+        finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
+        assert returncode == 0, f"{strategy} failed:\n{(folder / f'{strategy}.log').read_text()[-4000:]}"
     return {strategy: json.loads((folder / f"{strategy}.json").read_text()) for strategy in commands}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_distributed_losses_match_a_single_process(distributed_runs, strategy):
     run, single = distributed_runs[strategy], distributed_runs["single"]
