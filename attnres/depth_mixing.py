@@ -22,7 +22,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import inverse_rms, phase1, phase2
+from .two_phase import depth_attention, inverse_rms
 
 
 def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int:
@@ -49,28 +49,29 @@ def initial_depth_state(config, inputs_embeds: torch.Tensor) -> tuple:
     return inputs_embeds.unsqueeze(0), inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0), None
 
 
-def depth_ops(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable]:
-    """The `(phase1, phase2)` pair that computes depth attention for tensors on `device`.
+def depth_kernels(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable] | None:
+    """The Triton `(phase1, phase2)` kernels if they should compute depth attention for tensors on `device`, else
+    `None` (the PyTorch reference, `two_phase.depth_attention`).
 
-    The Triton kernels (`attnres.kernels`, same signatures and numerics as `two_phase`) are used on CUDA when Triton
-    is importable and neither `depth_kernel` (the config field) nor the environment variable
-    `ATTNRES_DEPTH_KERNEL` says `"reference"`; otherwise the PyTorch reference. `ATTNRES_DEPTH_KERNEL=triton`
-    demands the kernels on any device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and
-    fails if they cannot be imported. The import is absolute and inside `try` because this file is copied flat into
-    remote-code checkpoints, which must load where neither `attnres` nor Triton is installed.
+    The kernels (`attnres.kernels`, same numerics) are used on CUDA when Triton is importable and neither
+    `depth_kernel` (the config field) nor the environment variable `ATTNRES_DEPTH_KERNEL` says `"reference"`.
+    `ATTNRES_DEPTH_KERNEL=triton` demands the kernels on any device (on CPU that means Triton's interpreter,
+    `TRITON_INTERPRET=1`, for tests) and fails if they cannot be imported. The import is absolute and inside `try`
+    because this file is copied flat into remote-code checkpoints, which must load where neither `attnres` nor
+    Triton is installed.
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in ("auto", "reference", "triton"):
         raise ValueError(f"ATTNRES_DEPTH_KERNEL must be 'auto', 'reference' or 'triton', got {override!r}")
     if depth_kernel == "reference" or override == "reference" or (override == "auto" and device.type != "cuda"):
-        return phase1, phase2
+        return None
     try:
         from attnres.kernels import phase1 as kernel_phase1
         from attnres.kernels import phase2 as kernel_phase2
     except ImportError:
         if override == "triton":
             raise
-        return phase1, phase2
+        return None
     return kernel_phase1, kernel_phase2
 
 
@@ -105,8 +106,9 @@ class DepthAttention(nn.Module):
     """Block AttnRes in front of one sublayer: softmax attention over the completed blocks and the partial sum.
 
     Holds the sublayer's pseudo-query `w_l` (zero-initialised, so a new model starts from uniform weights) and its
-    key RMSNorm gain. Full AttnRes is the same module with block size 1. The input is computed the two-phase way
-    (SPEC §6): phase 1 over the completed blocks, then the online-softmax merge with the partial sum.
+    key RMSNorm gain. Full AttnRes is the same module with block size 1. On CUDA the Triton kernels compute the input
+    the two-phase way (SPEC §6: phase 1 over the completed blocks, then the online-softmax merge with the partial
+    sum); elsewhere `depth_attention` computes the same softmax in one go.
     """
 
     def __init__(
@@ -132,11 +134,14 @@ class DepthAttention(nn.Module):
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
     ) -> torch.Tensor:
         query = self.key_norm(self.pseudo_query)
-        phase1_op, phase2_op = depth_ops(blocks.device, self.depth_kernel)
-        obar, lse = phase1_op(blocks, blocks_inv_rms, query.unsqueeze(0))
+        kernels = depth_kernels(blocks.device, self.depth_kernel)
+        if kernels is None:
+            return depth_attention(blocks, blocks_inv_rms, partial, query, self.eps)
+        phase1_kernel, phase2_kernel = kernels
+        obar, lse = phase1_kernel(blocks, blocks_inv_rms, query.unsqueeze(0))
         if partial is None:
             return obar[0].to(blocks.dtype)
-        return phase2_op(obar[0], lse[0], partial, query, self.eps)
+        return phase2_kernel(obar[0], lse[0], partial, query, self.eps)
 
     def absorb(
         self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor

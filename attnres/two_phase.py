@@ -1,11 +1,14 @@
-"""PyTorch reference for depth attention: the naive form of SPEC §3 and the two-phase form of SPEC §6.
+"""PyTorch reference for depth attention: the naive form of SPEC §3, the model's form, and the two-phase form of SPEC §6.
 
 Shapes: a stack of depth sources or completed blocks is `[N, *tokens, D]`; `*tokens` is any token layout
 (`[batch, seq]` in the model). All logits, softmax statistics and merges are computed in fp32 whatever the input
 dtype, because depth logits are dot products over the whole hidden size and bf16 would round them coarsely.
 
-The Triton kernels in `attnres.kernels` implement `phase1` and `phase2` with the same signatures and are tested
-against these functions.
+`depth_attention` is what the model computes without the Triton kernels: one query against the completed blocks and
+the running partial sum as a single softmax, in as few tensor ops as possible (on the CPU a decode step is bound by
+per-op dispatch, and this runs 2L + 1 times per token). The Triton kernels in `attnres.kernels` implement `phase1`
+and `phase2`, which split the same softmax so a block is read once for all its queries, with the same signatures,
+and are tested against these functions.
 """
 
 import torch
@@ -13,7 +16,9 @@ import torch
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`rsqrt(mean(x**2) + eps)` over the last dimension, in fp32: the scale RMSNorm applies to `x`."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+    x = x.float()
+    # A dot product and in-place scalar steps: half the dispatch cost of pow + mean on decode-sized tensors.
+    return torch.linalg.vecdot(x, x).div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 def naive_depth_attention(
@@ -30,6 +35,43 @@ def naive_depth_attention(
     weights = torch.softmax(logits, dim=0)
     hidden = (weights.unsqueeze(-1) * values).sum(0)
     return hidden.to(sources.dtype), weights.movedim(0, -1)
+
+
+def depth_attention(
+    blocks: torch.Tensor,
+    blocks_inv_rms: torch.Tensor,
+    partial: torch.Tensor | None,
+    query: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Softmax attention of one query over the completed blocks and the running partial sum: a sublayer's input.
+
+    Args:
+        blocks: completed block representations `[N, *tokens, D]` (b_0 = embedding first).
+        blocks_inv_rms: `inverse_rms(blocks)` `[N, *tokens]`, fp32, computed once when each block completed, so keys
+            are normalised once per block and reused by every later query.
+        partial: the running sum of the current block `[*tokens, D]`, or `None` for the block's first sublayer.
+        query: `[D]` fp32 pseudo-query with the key-norm gain folded in (`w * gamma`, see `phase1`).
+        eps: the key RMSNorm's eps (for the partial sum, the one key not normalised yet).
+
+    Returns the sublayer input `[*tokens, D]` in the dtype of `blocks`.
+    """
+    values = blocks.float()
+    logits = (values @ query) * blocks_inv_rms  # [N, *tokens]
+    if partial is None:
+        weights = torch.softmax(logits, dim=0).unsqueeze(-1)
+        hidden, first_block = weights[0] * values[0], 1
+    else:
+        partial_value = partial.float()
+        partial_logit = (partial_value @ query) * inverse_rms(partial_value, eps)
+        weights = torch.softmax(torch.cat([logits, partial_logit.unsqueeze(0)]), dim=0).unsqueeze(-1)
+        hidden, first_block = weights[-1] * partial_value, 0
+    # N fused multiply-adds over whole blocks: on CPU about twice as fast at prefill sizes as one broadcast product
+    # and a sum over blocks (which writes an N-fold temporary), and far faster than an einsum, which batches the
+    # contraction over tokens as tiny matmuls.
+    for n in range(first_block, len(blocks)):
+        hidden.addcmul_(weights[n], values[n])
+    return hidden.to(blocks.dtype)
 
 
 def phase1(

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from attnres import AttnResForCausalLM
-from attnres.depth_mixing import depth_mixer, depth_ops
+from attnres.depth_mixing import depth_kernels, depth_mixer
 from attnres.kernels import phase1, phase2
 from attnres.kernels import common
 from attnres.two_phase import inverse_rms
@@ -151,9 +151,9 @@ class TestKernels:
             logits.square().mean().backward()
             return logits.detach(), [p.grad for n, p in model.named_parameters() if n.endswith("pseudo_query")]
 
-        assert depth_ops(torch.device("cpu"), "auto")[0] is not phase1
+        assert depth_kernels(torch.device("cpu"), "auto") is None
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
-        assert depth_ops(torch.device("cpu"), "auto")[0] is phase1
+        assert depth_kernels(torch.device("cpu"), "auto") == (phase1, phase2)
 
         logits, grads = logits_and_query_grads("triton")
         ref_logits, ref_grads = logits_and_query_grads("reference")
@@ -197,29 +197,27 @@ test_kernels_under_interpreter.__test__ = not INTERPRETED
         ("cpu", "reference", "triton", False),
     ],
 )
-def test_depth_ops_dispatch(device, config_kernel, env, uses_kernels, monkeypatch):
+def test_depth_kernels_dispatch(device, config_kernel, env, uses_kernels, monkeypatch):
     """Kernels on CUDA under `"auto"`, the reference otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs
     nothing, so a CUDA device object is enough."""
     if env is None:
         monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     else:
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
-    ops = depth_ops(torch.device(device), config_kernel)
-    expected = (phase1, phase2) if uses_kernels else (reference_phase1, reference_phase2)
-    assert ops == expected
+    assert depth_kernels(torch.device(device), config_kernel) == ((phase1, phase2) if uses_kernels else None)
 
 
-def test_depth_ops_without_triton_falls_back_unless_demanded(monkeypatch):
+def test_depth_kernels_without_triton_fall_back_unless_demanded(monkeypatch):
     """Where `attnres.kernels` cannot be imported (remote code without the package, or no Triton)."""
     monkeypatch.setitem(sys.modules, "attnres.kernels", None)
     monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
-    assert depth_ops(torch.device("cuda"), "auto") == (reference_phase1, reference_phase2)
+    assert depth_kernels(torch.device("cuda"), "auto") is None
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
     with pytest.raises(ImportError):
-        depth_ops(torch.device("cuda"), "auto")
+        depth_kernels(torch.device("cuda"), "auto")
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "fast")
     with pytest.raises(ValueError, match="ATTNRES_DEPTH_KERNEL"):
-        depth_ops(torch.device("cuda"), "auto")
+        depth_kernels(torch.device("cuda"), "auto")
 
 
 def test_depth_kernel_config_reaches_the_module():
