@@ -86,6 +86,12 @@ def main() -> None:
             "losses": losses,
         }
         args.output.write_text(json.dumps(result))
+    # Tear down in order: every rank past its last collective, then the DDP / FSDP wrappers (which hold the process
+    # group) released, then the group. Letting interpreter exit destroy them in arbitrary order could leave one rank
+    # blocked in gloo's destructor after its peer had gone.
+    if world > 1:
+        dist.barrier()
+    del model, optimizer
     if dist.is_initialized():
         dist.destroy_process_group()
 
