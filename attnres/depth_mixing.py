@@ -6,9 +6,12 @@ the state. The state is a tuple of tensors owned by the model's forward loop and
 decoder layers, so reentrant activation checkpointing sees every tensor:
 
 - standard PreNorm (SPEC §2): `(residual_stream,)`; the input is the stream, the output is added to it.
-- Block / Full AttnRes (SPEC §3-§4): `(blocks, blocks_inv_rms, partial)`: the completed block representations
-  stacked `[N, batch, seq, D]` (b_0 = embedding), their inverse RMS (keys are normalised once per block and
-  reused by every later query), and the running sum of the current block (`None` before its first sublayer).
+- Block / Full AttnRes (SPEC §3-§4): `(blocks_inv_rms, partial, *blocks)`: the inverse RMS of the completed blocks
+  stacked `[N, batch, seq]` (keys are normalised once per block and reused by every later query), the running sum
+  of the current block (`None` before its first sublayer), and the completed block representations b_0 (the
+  embedding), b_1, ... as separate `[batch, seq, D]` tensors. They are never stacked into one tensor: a new stack per
+  completed block would copy every earlier block (quadratic in depth for Full AttnRes) and autograd would keep each
+  copy alive until the backward pass.
   The paper's Table 4 ablations of AttnRes (`depth_ablation`) keep this state and compute the naive form.
 - DenseFormer, Hyper-Connections and mHC (SPEC §7, for comparison): see `residual_variants.py`.
 """
@@ -46,7 +49,7 @@ def initial_depth_state(config, inputs_embeds: torch.Tensor) -> tuple:
         return inputs_embeds, inputs_embeds.unsqueeze(0)
     if mode in ("hc", "mhc"):
         return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
-    return inputs_embeds.unsqueeze(0), inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0), None
+    return inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0), None, inputs_embeds
 
 
 def depth_kernels(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable] | None:
@@ -98,7 +101,7 @@ class StandardResidual(nn.Module):
     def forward(self, residual: torch.Tensor) -> torch.Tensor:
         return residual
 
-    def absorb(self, residual: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor]:
         return (residual + output,)
 
 
@@ -131,34 +134,42 @@ class DepthAttention(nn.Module):
         self.closes_block = position % block_size == 0 or position == num_sublayers
 
     def forward(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> torch.Tensor:
         query = self.key_norm(self.pseudo_query)
-        kernels = depth_kernels(blocks.device, self.depth_kernel)
+        kernels = depth_kernels(blocks_inv_rms.device, self.depth_kernel)
         if kernels is None:
             return depth_attention(blocks, blocks_inv_rms, partial, query, self.eps)
         phase1_kernel, phase2_kernel = kernels
-        obar, lse = phase1_kernel(blocks, blocks_inv_rms, query.unsqueeze(0))
+        obar, lse = phase1_kernel(torch.stack(blocks), blocks_inv_rms, query.unsqueeze(0))
         if partial is None:
-            return obar[0].to(blocks.dtype)
+            return obar[0].to(blocks[0].dtype)
         return phase2_kernel(obar[0], lse[0], partial, query, self.eps)
 
     def absorb(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self, output: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         partial = output if partial is None else partial + output
         if not self.closes_block:
-            return blocks, blocks_inv_rms, partial
-        blocks = torch.cat([blocks, partial.unsqueeze(0)])
+            return blocks_inv_rms, partial, *blocks
         blocks_inv_rms = torch.cat([blocks_inv_rms, inverse_rms(partial, self.eps).unsqueeze(0)])
-        return blocks, blocks_inv_rms, None
+        return blocks_inv_rms, None, *blocks, partial
+
+    def sources(
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sources [b_0, ..., b_{n-1}, partial] stacked `[K, *tokens, D]`, and their inverse RMS `[K, *tokens]`."""
+        if partial is None:
+            return torch.stack(blocks), blocks_inv_rms
+        partial_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)
+        return torch.stack([*blocks, partial]), torch.cat([blocks_inv_rms, partial_inv_rms])
 
     def attention_weights(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> torch.Tensor:
         """The depth-attention weights `[batch, seq, num_sources]` over [b_0, ..., b_{n-1}, partial], for analysis."""
-        sources = blocks if partial is None else torch.cat([blocks, partial.unsqueeze(0)])
-        logits = (sources.float() @ self.key_norm(self.pseudo_query)) * inverse_rms(sources, self.eps)
+        sources, inv_rms = self.sources(blocks_inv_rms, partial, *blocks)
+        logits = (sources.float() @ self.key_norm(self.pseudo_query)) * inv_rms
         return torch.softmax(logits, dim=0).movedim(0, -1)
 
     def extra_repr(self) -> str:
@@ -174,15 +185,6 @@ class DepthAttentionAblation(DepthAttention):
     quality, not speed. Weights are `[K, *tokens, heads]` (one head but for the multi-head ablation), in fp32.
     """
 
-    def sources(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stacked sources `[K, *tokens, D]` this step attends over, and their inverse RMS `[K, *tokens]`."""
-        if partial is None:
-            return blocks, blocks_inv_rms
-        partial_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)
-        return torch.cat([blocks, partial.unsqueeze(0)]), torch.cat([blocks_inv_rms, partial_inv_rms])
-
     def query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
         """The query with the key-norm gain folded in: `[D]`, or `[*tokens, D]` when it depends on the input."""
         return self.key_norm(self.pseudo_query)
@@ -195,18 +197,18 @@ class DepthAttentionAblation(DepthAttention):
         return torch.softmax(logits, dim=0)
 
     def forward(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> torch.Tensor:
-        sources, inv_rms = self.sources(blocks, blocks_inv_rms, partial)
+        sources, inv_rms = self.sources(blocks_inv_rms, partial, *blocks)
         weights = self.normalize(self.logits(sources, inv_rms))
         values = sources.float().unflatten(-1, (weights.shape[-1], -1))  # [K, *tokens, heads, D / heads]
         return (weights.unsqueeze(-1) * values).sum(0).flatten(-2).to(sources.dtype)
 
     def attention_weights(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> torch.Tensor:
         """The weights `[batch, seq, num_sources]` (averaged over heads), for analysis."""
-        sources, inv_rms = self.sources(blocks, blocks_inv_rms, partial)
+        sources, inv_rms = self.sources(blocks_inv_rms, partial, *blocks)
         return self.normalize(self.logits(sources, inv_rms)).mean(-1).movedim(0, -1)
 
 
@@ -265,26 +267,26 @@ class SlidingWindowDepthAttention(DepthAttentionAblation):
         self.num_unwindowed_sources = num_depth_sources(position, block_size, num_sublayers)
 
     def sources(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        sources, inv_rms = super().sources(blocks, blocks_inv_rms, partial)
+        sources, inv_rms = super().sources(blocks_inv_rms, partial, *blocks)
         start = max(1, sources.shape[0] - self.window)
         return torch.cat([sources[:1], sources[start:]]), torch.cat([inv_rms[:1], inv_rms[start:]])
 
     def absorb(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, output: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        blocks, blocks_inv_rms, partial = super().absorb(blocks, blocks_inv_rms, partial, output)
-        if blocks.shape[0] > self.window + 1:
-            blocks = torch.cat([blocks[:1], blocks[-self.window :]])
+        self, output: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        blocks_inv_rms, partial, *blocks = super().absorb(output, blocks_inv_rms, partial, *blocks)
+        if len(blocks) > self.window + 1:
+            blocks = [blocks[0], *blocks[-self.window :]]
             blocks_inv_rms = torch.cat([blocks_inv_rms[:1], blocks_inv_rms[-self.window :]])
-        return blocks, blocks_inv_rms, partial
+        return blocks_inv_rms, partial, *blocks
 
     def attention_weights(
-        self, blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None
+        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> torch.Tensor:
         """The weights over all the sources the unwindowed step would see, zero outside the window."""
-        visible = super().attention_weights(blocks, blocks_inv_rms, partial)
+        visible = super().attention_weights(blocks_inv_rms, partial, *blocks)
         hidden = visible.new_zeros(*visible.shape[:-1], self.num_unwindowed_sources - visible.shape[-1])
         return torch.cat([visible[..., :1], hidden, visible[..., 1:]], dim=-1)
 

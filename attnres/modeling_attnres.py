@@ -152,11 +152,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        depth_state = self.attn_residual.absorb(*depth_state, attn_output)
+        depth_state = self.attn_residual.absorb(attn_output, *depth_state)
 
         hidden_states = self.mlp_residual(*depth_state)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
-        return self.mlp_residual.absorb(*depth_state, mlp_output)
+        return self.mlp_residual.absorb(mlp_output, *depth_state)
 
 
 class AttnResPreTrainedModel(PreTrainedModel):

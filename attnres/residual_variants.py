@@ -1,7 +1,7 @@
 """Residual connections from other papers, as depth-mixing modules, to compare AttnRes against (SPEC §7).
 
 Every class follows the protocol of `depth_mixing.py`: `forward(*state)` returns the input of the sublayer the module
-sits in front of, and `absorb(*state, output)` folds that sublayer's raw output back into the depth state. The states:
+sits in front of, and `absorb(output, *state)` folds that sublayer's raw output back into the depth state. The states:
 
 - DenseFormer (Pagliardini et al., arXiv:2402.02622): `(stream, history)`, the PreNorm residual stream and the
   stacked outputs of the decoder blocks so far `[i + 1, batch, seq, D]` (x_0 = the embedding). A depth-weighted
@@ -54,7 +54,7 @@ class DepthWeightedAverage(nn.Module):
         return stream
 
     def absorb(
-        self, stream: torch.Tensor, history: torch.Tensor, output: torch.Tensor
+        self, output: torch.Tensor, stream: torch.Tensor, history: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         stream = stream + output
         if not self.closes_block:
@@ -119,7 +119,7 @@ class HyperConnection(nn.Module):
         weights = _per_stream(self.static_input, dynamic) + self.input_scale.float() * dynamic
         return _mix_streams(weights, streams).to(streams.dtype)
 
-    def absorb(self, streams: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, output: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor]:
         normalized = self._normalized(streams)
         dynamic_residual = torch.tanh(normalized @ self.dynamic_residual.float())  # [n_from, *tokens, n_to]
         residual = self.static_residual.float().view(streams.shape[0], *([1] * (streams.dim() - 2)), -1)
@@ -237,7 +237,7 @@ class ManifoldHyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         return _mix_streams(self.input_weights(streams).movedim(-1, 0), streams).to(streams.dtype)
 
-    def absorb(self, streams: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, output: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor]:
         post, residual = self.output_and_residual_weights(streams)
         mixed = torch.einsum("...ij,j...d->i...d", residual, streams.float())
         written = post.movedim(-1, 0).unsqueeze(-1) * output.float()

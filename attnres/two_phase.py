@@ -11,6 +11,8 @@ and `phase2`, which split the same softmax so a block is read once for all its q
 and are tested against these functions.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -38,7 +40,7 @@ def naive_depth_attention(
 
 
 def depth_attention(
-    blocks: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
     blocks_inv_rms: torch.Tensor,
     partial: torch.Tensor | None,
     query: torch.Tensor,
@@ -47,17 +49,17 @@ def depth_attention(
     """Softmax attention of one query over the completed blocks and the running partial sum: a sublayer's input.
 
     Args:
-        blocks: completed block representations `[N, *tokens, D]` (b_0 = embedding first).
-        blocks_inv_rms: `inverse_rms(blocks)` `[N, *tokens]`, fp32, computed once when each block completed, so keys
-            are normalised once per block and reused by every later query.
+        blocks: the N completed block representations `[*tokens, D]` (b_0 = embedding first), not stacked.
+        blocks_inv_rms: their `inverse_rms` stacked `[N, *tokens]`, fp32, computed once when each block completed, so
+            keys are normalised once per block and reused by every later query.
         partial: the running sum of the current block `[*tokens, D]`, or `None` for the block's first sublayer.
         query: `[D]` fp32 pseudo-query with the key-norm gain folded in (`w * gamma`, see `phase1`).
         eps: the key RMSNorm's eps (for the partial sum, the one key not normalised yet).
 
     Returns the sublayer input `[*tokens, D]` in the dtype of `blocks`.
     """
-    values = blocks.float()
-    logits = (values @ query) * blocks_inv_rms  # [N, *tokens]
+    values = [block.float() for block in blocks]
+    logits = torch.stack([value @ query for value in values]) * blocks_inv_rms  # [N, *tokens]
     if partial is None:
         weights = torch.softmax(logits, dim=0).unsqueeze(-1)
         hidden, first_block = weights[0] * values[0], 1
@@ -71,7 +73,7 @@ def depth_attention(
     # contraction over tokens as tiny matmuls.
     for n in range(first_block, len(blocks)):
         hidden.addcmul_(weights[n], values[n])
-    return hidden.to(blocks.dtype)
+    return hidden.to(blocks[0].dtype)
 
 
 def phase1(

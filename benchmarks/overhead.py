@@ -3,7 +3,8 @@
 For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
 the MoE rows) and the workloads are timed with interleaved repetitions (baseline, standard, block, full, baseline,
 ...), so machine noise hits every model alike; the table reports median times and their ratio to the baseline of
-the same run.
+the same run. In eager mode there is no separate warm-up: a slow first sample of every model is absorbed by the
+median.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
@@ -12,8 +13,9 @@ Workloads (fp32):
 - memory: peak resident memory added by one training step, measured in a fresh subprocess per model.
 
 Usage:
-    python -m benchmarks.overhead                  # eager, both shapes, ~5 minutes on 2 cores
-    python -m benchmarks.overhead --compile        # also torch.compile (both models compiled alike)
+    python -m benchmarks.overhead                  # eager, all shapes, ~9 minutes on 2 cores
+    python -m benchmarks.overhead --compile --shapes small   # also torch.compile (both models compiled alike);
+                                                   # compiling dominates: ~2-4 minutes per model and workload
     python -m benchmarks.overhead --shapes small --repeats 3   # quick look
 
 Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
@@ -119,8 +121,9 @@ def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str,
             model.train(workload == "train")
             runners[name] = torch.compile(model, dynamic=workload == "decode") if compile_models else model
         samples = {name: [] for name in models}
-        for name, runner in runners.items():  # warm-up (and compilation)
-            timed(function, runner, inputs[workload])
+        if compile_models:  # compilation happens on the first call, outside the timed samples
+            for name, runner in runners.items():
+                timed(function, runner, inputs[workload])
         for _ in range(repeats):
             for name, runner in runners.items():
                 samples[name].append(timed(function, runner, inputs[workload]))
@@ -147,7 +150,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")

@@ -189,7 +189,7 @@ def test_hyper_connection_follows_its_definition():
         expected_streams.append(b_i[..., None] * output + carried)
     with torch.no_grad():
         assert max_diff(module(streams), expected_input) <= 1e-5
-        assert max_diff(module.absorb(streams, output)[0], torch.stack(expected_streams)) <= 1e-5
+        assert max_diff(module.absorb(output, streams)[0], torch.stack(expected_streams)) <= 1e-5
 
 
 def test_mhc_follows_its_definition():
@@ -213,7 +213,7 @@ def test_mhc_follows_its_definition():
     ]
     with torch.no_grad():
         assert max_diff(module(streams), expected_input) <= 1e-5
-        assert max_diff(module.absorb(streams, output)[0], torch.stack(expected_streams)) <= 1e-5
+        assert max_diff(module.absorb(output, streams)[0], torch.stack(expected_streams)) <= 1e-5
         assert ((pre > 0) & (pre < 1)).all() and ((post > 0) & (post < 2)).all()
 
 
@@ -288,8 +288,8 @@ def test_ablation_step_follows_its_definition(ablation, with_partial):
         weights = torch.sigmoid(logits) if ablation == "sigmoid" else torch.softmax(logits, 0)
         expected = (weights[..., None] * sources).sum(0)
     with torch.no_grad():
-        assert max_diff(module(blocks, blocks_inv_rms, partial), expected) <= 1e-5
-        weights = module.attention_weights(blocks, blocks_inv_rms, partial)
+        assert max_diff(module(blocks_inv_rms, partial, *blocks), expected) <= 1e-5
+        weights = module.attention_weights(blocks_inv_rms, partial, *blocks)
     if ablation == "sliding_window":  # a column for every source of the unwindowed step, 0 outside the window
         assert weights.shape[-1] == module.num_unwindowed_sources and (weights[..., 1:-2] == 0).all()
     else:
