@@ -57,19 +57,29 @@ MODES = ("standard", "block", "full")
 PREFILL_TOKENS, DECODE_PROMPT, DECODE_STEPS, TRAIN_BATCH, TRAIN_TOKENS = 512, 512, 64, 4, 256
 
 
-def build_models(shape_name: str) -> dict[str, torch.nn.Module]:
-    """The baseline and one AttnRes model per mode, all holding the baseline's weights."""
+def build_model(shape_name: str, name: str) -> torch.nn.Module:
+    """One freshly initialised model of the shape: the baseline ("llama" / "mixtral") or an AttnRes mode."""
     shape = dict(SHAPES[shape_name], max_position_embeddings=1024)
     torch.manual_seed(0)
-    if shape.get("num_local_experts"):
-        baseline = MixtralForCausalLM(MixtralConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
-        baseline_name = "mixtral"
-    else:
-        baseline = LlamaForCausalLM(LlamaConfig(**shape))
-        baseline_name = "llama"
+    if name == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape))
+    return AttnResForCausalLM(AttnResConfig(**shape, residual_mode=name))
+
+
+def model_names(shape_name: str) -> list[str]:
+    """The baseline first, then the AttnRes modes."""
+    return ["mixtral" if SHAPES[shape_name].get("num_local_experts") else "llama", *MODES]
+
+
+def build_models(shape_name: str) -> dict[str, torch.nn.Module]:
+    """The baseline and one AttnRes model per mode, all holding the baseline's weights."""
+    baseline_name, *modes = model_names(shape_name)
+    baseline = build_model(shape_name, baseline_name)
     models = {baseline_name: baseline}
-    for mode in MODES:
-        model = AttnResForCausalLM(AttnResConfig(**shape, residual_mode=mode))
+    for mode in modes:
+        model = build_model(shape_name, mode)
         missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
         assert not unexpected and all(k.endswith(("pseudo_query", "key_norm.weight")) for k in missing)
         models[mode] = model
@@ -132,19 +142,36 @@ def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str,
 
 
 def peak_train_memory(shape: str, name: str) -> float:
-    """MiB of resident memory one training step adds on top of the built model, in a fresh process."""
+    """MiB of resident memory one training step adds on top of the built model, in a fresh process.
+
+    Linux's high-water mark (VmHWM) is reset to the current RSS right before the step (`/proc/self/clear_refs`), so
+    the transient peaks of building the model do not hide the step's own peak.
+    """
     code = f"""
-import resource, torch
-from benchmarks.overhead import build_models, train_step, TRAIN_BATCH, TRAIN_TOKENS
-model = build_models({shape!r})[{name!r}].train()
+import re, torch
+from pathlib import Path
+from benchmarks.overhead import build_model, train_step, TRAIN_BATCH, TRAIN_TOKENS
+def status_kib(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+model = build_model({shape!r}, {name!r}).train()
 ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = status_kib("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")
 train_step(model, ids)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+print((status_kib("VmHWM") - before) / 1024)
 """
     root = Path(__file__).resolve().parents[1]
     output = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     return float(output.strip().splitlines()[-1])
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -159,6 +186,8 @@ def main() -> None:
 
     rows = []
     for shape in args.shapes:
+        # Memory first, in subprocesses, before this process holds the shape's models.
+        memory = {} if args.no_memory else {name: peak_train_memory(shape, name) for name in model_names(shape)}
         models = build_models(shape)
         baseline = next(iter(models))
         for execution in ["eager"] + (["compile"] if args.compile else []):
@@ -168,13 +197,10 @@ def main() -> None:
                 for workload, medians in times.items():
                     row[f"{workload}_s"] = medians[name]
                     row[f"{workload}_ratio"] = medians[name] / medians[baseline]
+                if memory:
+                    row["train_peak_mib"] = memory[name]
+                    row["train_peak_ratio"] = memory[name] / memory[baseline]
                 rows.append(row)
-        if not args.no_memory:
-            memory = {name: peak_train_memory(shape, name) for name in models}
-            for row in rows:
-                if row["shape"] == shape:
-                    row["train_peak_mib"] = memory[row["model"]]
-                    row["train_peak_ratio"] = memory[row["model"]] / memory[baseline]
         del models
 
     header = "| shape | mode | model | prefill | decode / token | train step | train peak memory |"
@@ -188,7 +214,7 @@ def main() -> None:
             f" ({row['train_s'] * 1e3:.0f} ms) | {memory} |"
         )
     machine = {
-        "processor": platform.processor() or platform.machine(),
+        "processor": cpu_model(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
