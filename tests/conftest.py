@@ -13,24 +13,26 @@ from attnres import AttnResConfig
 os.environ.setdefault("ATTNRES_SHAKESPEARE_DIR", str(Path(__file__).resolve().parents[1] / "data" / "shakespeare"))
 
 
+# A 3-layer GQA shape (6 sublayers), in fields every Llama-family config shares: small enough for every test, odd
+# enough to exercise block edges. Tests build their Llama / Mixtral / Qwen2 sources from it too.
+TINY_SHAPE = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def tiny_config(**overrides) -> AttnResConfig:
-    """A 3-layer GQA model (6 sublayers): small enough for every test, odd enough to exercise block edges."""
-    fields = dict(
-        vocab_size=96,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        residual_mode="block",
-        block_size=2,
-    )
+    """An AttnRes config of `TINY_SHAPE`: untied, Block AttnRes with blocks of 2 sublayers unless overridden."""
+    fields = dict(TINY_SHAPE, tie_word_embeddings=False, residual_mode="block", block_size=2)
     fields.update(overrides)
     return AttnResConfig(**fields)
 

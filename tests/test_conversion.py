@@ -46,23 +46,11 @@ from attnres.cli import DEMO_GGUF, DEMO_PACKAGE, main
 from attnres.conversion import ConversionError, Tolerance, VerificationError, convert
 from attnres.conversion import converter as converter_module
 from attnres.depth_mixing import num_depth_sources
+from conftest import TINY_SHAPE
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODE_FILES = ("configuration_attnres.py", "modeling_attnres.py", "depth_mixing.py", "two_phase.py")
-TINY = dict(
-    vocab_size=96,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def tiny_source(
@@ -70,7 +58,7 @@ def tiny_source(
 ) -> tuple[Path, torch.nn.Module]:
     """Save a tiny random model with safetensors and return its folder and the model (fp32, eval)."""
     torch.manual_seed(0)
-    model = model_class(config_class(**{**TINY, **overrides})).eval()
+    model = model_class(config_class(**{**TINY_SHAPE, **overrides})).eval()
     folder = tmp_path / name
     model.save_pretrained(folder)
     return folder, model
@@ -81,7 +69,7 @@ def logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits.float()
 
 
-def random_ids(vocab_size: int = TINY["vocab_size"], length: int = 24) -> torch.Tensor:
+def random_ids(vocab_size: int = TINY_SHAPE["vocab_size"], length: int = 24) -> torch.Tensor:
     return torch.randint(3, vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
 
 
@@ -173,7 +161,7 @@ def test_mistral_sliding_window_converts_exactly(tmp_path):
 
 def test_qwen2_qkv_bias_converts_exactly(tmp_path):
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**TINY)).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE)).eval()
     with torch.no_grad():  # Qwen2 initialises biases to zero; make them matter
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
@@ -197,7 +185,7 @@ def test_qwen2_mixed_sliding_layers_refused(tmp_path):
 
 def test_dtype_is_preserved_unless_asked(tmp_path):
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    LlamaForCausalLM(LlamaConfig(**TINY_SHAPE)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     convert(tmp_path / "bf16", tmp_path / "kept", verify=False, progress=False)
     convert(tmp_path / "bf16", tmp_path / "cast", dtype="float32", verify=False, progress=False)
     kept, cast = load_file(tmp_path / "kept" / "model.safetensors"), load_file(tmp_path / "cast" / "model.safetensors")
