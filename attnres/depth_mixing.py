@@ -19,6 +19,7 @@ decoder layers, so reentrant activation checkpointing sees every tensor:
 import math
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -53,8 +54,8 @@ def initial_depth_state(config, inputs_embeds: torch.Tensor) -> tuple:
 
 
 def depth_kernels(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable] | None:
-    """The Triton `(phase1, phase2)` kernels if they should compute depth attention for tensors on `device`, else
-    `None` (the PyTorch reference, `two_phase.depth_attention`).
+    """The Triton `(phase1, phase2_rms_norm)` kernels if they should compute depth attention for tensors on `device`,
+    else `None` (the PyTorch reference, `two_phase.depth_attention`).
 
     The kernels (`attnres.kernels`, same numerics) are used on CUDA when Triton is importable and neither
     `depth_kernel` (the config field) nor the environment variable `ATTNRES_DEPTH_KERNEL` says `"reference"`.
@@ -70,12 +71,33 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto") -> tuple[Cal
         return None
     try:
         from attnres.kernels import phase1 as kernel_phase1
-        from attnres.kernels import phase2 as kernel_phase2
+        from attnres.kernels import phase2_rms_norm as kernel_phase2_rms_norm
     except ImportError:
         if override == "triton":
             raise
         return None
-    return kernel_phase1, kernel_phase2
+    return kernel_phase1, kernel_phase2_rms_norm
+
+
+class PendingMerge(NamedTuple):
+    """Phase 2 of a depth-attention step (SPEC §6), handed over unfinished to the RMSNorm that reads its result.
+
+    On the Triton path a step's input `h` is only ever read by the pre-norm in front of its sublayer, so the step
+    returns this instead of `h` and the norm (`AttnResRMSNorm`) runs the merge and its own normalisation as one
+    kernel: `h` is never written to memory and read back, nor kept for the backward pass. It is a named tuple so that
+    accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
+    """
+
+    merge_and_norm: Callable
+    obar: torch.Tensor
+    lse: torch.Tensor
+    partial: torch.Tensor
+    query: torch.Tensor
+    eps: float
+
+    def normalized(self, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        """`norm_weight * RMSNorm(h)` with the norm's eps."""
+        return self.merge_and_norm(self.obar, self.lse, self.partial, self.query, self.eps, norm_weight, norm_eps)
 
 
 class DepthKeyRMSNorm(nn.Module):
@@ -135,16 +157,16 @@ class DepthAttention(nn.Module):
 
     def forward(
         self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | PendingMerge:
         query = self.key_norm(self.pseudo_query)
         kernels = depth_kernels(blocks_inv_rms.device, self.depth_kernel)
         if kernels is None:
             return depth_attention(blocks, blocks_inv_rms, partial, query, self.eps)
-        phase1_kernel, phase2_kernel = kernels
+        phase1_kernel, phase2_rms_norm_kernel = kernels
         obar, lse = phase1_kernel(torch.stack(blocks), blocks_inv_rms, query.unsqueeze(0))
         if partial is None:
             return obar[0].to(blocks[0].dtype)
-        return phase2_kernel(obar[0], lse[0], partial, query, self.eps)
+        return PendingMerge(phase2_rms_norm_kernel, obar[0], lse[0], partial, query, self.eps)
 
     def absorb(
         self, output: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor

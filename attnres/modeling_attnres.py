@@ -37,11 +37,20 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DepthAttention, depth_mixer, initial_depth_state, pre_norm_eps
+from .depth_mixing import DepthAttention, PendingMerge, depth_mixer, initial_depth_state, pre_norm_eps
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
-    """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm."""
+    """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm.
+
+    On the Triton path a depth-attention step hands over its last phase unfinished (a `PendingMerge`), and the norm
+    computes it fused with its own normalisation, so the sublayer input never goes through memory.
+    """
+
+    def forward(self, hidden_states: torch.Tensor | PendingMerge) -> torch.Tensor:
+        if isinstance(hidden_states, PendingMerge):
+            return hidden_states.normalized(self.weight, self.variance_epsilon)
+        return super().forward(hidden_states)
 
 
 class AttnResRotaryEmbedding(LlamaRotaryEmbedding):

@@ -7,8 +7,8 @@ dtype, because depth logits are dot products over the whole hidden size and bf16
 `depth_attention` is what the model computes without the Triton kernels: one query against the completed blocks and
 the running partial sum as a single softmax, in as few tensor ops as possible (on the CPU a decode step is bound by
 per-op dispatch, and this runs 2L + 1 times per token). The Triton kernels in `attnres.kernels` implement `phase1`
-and `phase2`, which split the same softmax so a block is read once for all its queries, with the same signatures,
-and are tested against these functions.
+and `phase2_rms_norm` (phase 2 fused with the pre-norm that reads its result), which split the same softmax so a
+block is read once for all its queries, with the same signatures, and are tested against these functions.
 """
 
 from collections.abc import Sequence
@@ -131,3 +131,24 @@ def phase2(
     logit = (values @ query) * inverse_rms(partial, eps)
     gate = torch.sigmoid(logit - lse).unsqueeze(-1)
     return torch.lerp(obar, values, gate).to(partial.dtype)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, the pre-norm in front of every sublayer: normalised in fp32, rounded to the input dtype, then
+    scaled by the gain (so the output has the promoted dtype of the two)."""
+    normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(hidden.dtype)
+
+
+def phase2_rms_norm(
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+) -> torch.Tensor:
+    """`phase2` followed by the RMSNorm (gain `norm_weight`, eps `norm_eps`) of the sublayer that reads its result:
+    what the fused Triton kernel computes, without writing the sublayer input `h` to memory."""
+    return rms_norm(phase2(obar, lse, partial, query, eps), norm_weight, norm_eps)

@@ -1,9 +1,10 @@
 """Speed of Block AttnRes aggregation: the Triton kernels against the PyTorch reference, eager and compiled.
 
-What is timed is one block's depth mixing (SPEC §6) as the model runs it: phase 1 for the block's S pseudo-queries
-over N completed blocks, the first sublayer's input taken from it directly, and phase 2 merging a partial sum for each
-of the other S - 1 sublayers. Forward (under `no_grad`) and forward + backward (gradients for the blocks, their
-inverse RMS, the queries and the partial sums) are timed for:
+What is timed is one block's depth mixing (SPEC §6) as the model runs it, up to the pre-norms that read it: phase 1
+for the block's S pseudo-queries over N completed blocks, the first sublayer's input taken from it and normalised,
+and phase 2 merging a partial sum for each of the other S - 1 sublayers, fused with their pre-norms. Forward (under
+`no_grad`) and forward + backward (gradients for the blocks, their inverse RMS, the queries, the partial sums and
+the norms' gains) are timed for:
 
 - `triton`: `attnres.kernels`;
 - `eager`: `attnres.two_phase`, the reference (the baseline every ratio is taken against);
@@ -13,8 +14,8 @@ inverse RMS, the queries and the partial sums) are timed for:
   gradients are not, since it differentiates through the RMS it computes while the reference takes it as an input).
 
 Repetitions are interleaved across implementations, and the median is reported. Bandwidth is the block step's
-minimum memory traffic divided by the median time: every block and partial sum read once, every sublayer input
-written once (and, backward, every output gradient read once and every input gradient written once). Intermediates
+minimum memory traffic divided by the median time: every block and partial sum read once, every normalised sublayer
+input written once (and, backward, every output gradient read once and every input gradient written once). Intermediates
 such as phase 1's output are not counted, so the figure is comparable across implementations and its ratio to the
 GPU's peak bandwidth bounds what any implementation could still gain.
 
@@ -86,18 +87,20 @@ TINY_SHAPES = [Shape(8, 48, 3, 2), Shape(4, 100, 2, 3)]
 Ops = tuple[Callable, Callable]
 
 
-def block_step(ops: Ops, blocks, inv_rms, queries, partials) -> list[torch.Tensor]:
-    """The sublayer inputs of one block, computed with `ops` = (phase1, phase2) as `DepthAttention` does."""
-    phase1, phase2 = ops
+def block_step(ops: Ops, blocks, inv_rms, queries, partials, norm_weights) -> list[torch.Tensor]:
+    """The normalised sublayer inputs of one block, computed with `ops` = (phase1, phase2_rms_norm) as the model does:
+    the block's first sublayer reads phase 1's output through its pre-norm, every other one phase 2 fused with it."""
+    phase1, phase2_rms_norm = ops
     obar, lse = phase1(blocks, inv_rms, queries)
-    inputs = [obar[0].to(blocks.dtype)]
+    inputs = [reference.rms_norm(obar[0].to(blocks.dtype), norm_weights[0], EPS)]
     for i in range(1, queries.shape[0]):
-        inputs.append(phase2(obar[i], lse[i], partials[i - 1], queries[i], EPS))
+        inputs.append(phase2_rms_norm(obar[i], lse[i], partials[i - 1], queries[i], EPS, norm_weights[i], EPS))
     return inputs
 
 
 def flash_attn_res_ops() -> Ops | None:
-    """`flash-attn-res`'s two ops behind the reference signatures, or None when it is not installed."""
+    """`flash-attn-res`'s two ops behind the reference signatures (its phase 2 followed by the reference RMSNorm: it
+    has no fused norm), or None when it is not installed."""
     try:
         import flash_attn_res
     except ImportError:
@@ -106,10 +109,11 @@ def flash_attn_res_ops() -> Ops | None:
     def phase1(blocks, inv_rms, queries):
         return flash_attn_res.phase_1_batched_attention_triton_op(blocks, queries, EPS)
 
-    def phase2(obar, lse, partial, query, eps):
-        return flash_attn_res.phase_2_online_softmax_merge_triton_op(partial, query, obar, lse, eps)
+    def phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps):
+        merged = flash_attn_res.phase_2_online_softmax_merge_triton_op(partial, query, obar, lse, eps)
+        return reference.rms_norm(merged, norm_weight, norm_eps)
 
-    return phase1, phase2
+    return phase1, phase2_rms_norm
 
 
 def peak_bandwidth(device: torch.device) -> tuple[str, float | None]:
@@ -140,6 +144,7 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[
         "inv_rms": reference.inverse_rms(blocks, EPS),
         "queries": torch.randn(shape.block_size, shape.hidden, device=device) / shape.hidden**0.5,
         "partials": torch.randn(max(shape.block_size - 1, 1), *tokens, shape.hidden, device=device, dtype=dtype),
+        "norm_weights": 1 + torch.randn(shape.block_size, shape.hidden, device=device, dtype=dtype) / 4,
     }
 
 
@@ -223,10 +228,10 @@ def main() -> None:
         torch._dynamo.reset()
         inputs = make_inputs(shape, dtype, device)
         implementations = {
-            "eager": lambda *xs: block_step((reference.phase1, reference.phase2), *xs),
-            "triton": lambda *xs: block_step((kernels.phase1, kernels.phase2), *xs),
+            "eager": lambda *xs: block_step((reference.phase1, reference.phase2_rms_norm), *xs),
+            "triton": lambda *xs: block_step((kernels.phase1, kernels.phase2_rms_norm), *xs),
             "compiled": torch.compile(
-                lambda *xs: block_step((reference.phase1, reference.phase2), *xs), backend=compile_backend
+                lambda *xs: block_step((reference.phase1, reference.phase2_rms_norm), *xs), backend=compile_backend
             ),
         }
         if (far_ops := flash_attn_res_ops()) is not None:

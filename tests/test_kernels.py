@@ -16,6 +16,7 @@ not the yardstick: it rounds more often (the partial sum's gradient reaches it a
 before they are added).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -29,11 +30,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from attnres import AttnResForCausalLM
 from attnres.depth_mixing import depth_kernels, depth_mixer
-from attnres.kernels import phase1, phase2
-from attnres.kernels import common
+from attnres.kernels import common, phase1, phase2_rms_norm
+from attnres.kernels import phase2 as phase2_module
 from attnres.two_phase import inverse_rms
 from attnres.two_phase import phase1 as reference_phase1
-from attnres.two_phase import phase2 as reference_phase2
+from attnres.two_phase import phase2_rms_norm as reference_phase2_rms_norm
 
 from conftest import randomize_depth_parameters, tiny_config
 
@@ -41,6 +42,7 @@ from conftest import randomize_depth_parameters, tiny_config
 INTERPRETED = isinstance(tl.sum, InterpretedFunction)
 FP32_TOL = 1e-5
 EPS = 1e-6
+NORM_EPS = 1e-5
 
 # (num_blocks N, num_queries Q, token layout, hidden D). Hidden sizes are not powers of two, so every load is masked;
 # N=1 is the first block (the embedding alone), (1,) and () are one token (decode, and no token axes at all),
@@ -72,8 +74,15 @@ def phase1_inputs(num_blocks: int, num_queries: int, tokens: tuple[int, ...], hi
 
 
 def phase2_inputs(tokens: tuple[int, ...], hidden: int, dtype: torch.dtype):
+    """`(obar, lse, partial, query, norm_weight)`: phase 2's inputs and the gain of the pre-norm it is fused with."""
     obar, lse = torch.randn(*tokens, hidden), 2 * torch.randn(tokens)
-    return obar, lse, (3 * torch.randn(*tokens, hidden)).to(dtype), torch.randn(hidden)
+    norm_weight = (1 + 0.5 * torch.randn(hidden)).to(dtype)
+    return obar, lse, (3 * torch.randn(*tokens, hidden)).to(dtype), torch.randn(hidden), norm_weight
+
+
+def fused_phase2(op):
+    """`op` (`phase2_rms_norm`) with the gain among the differentiated inputs and the scalars fixed."""
+    return lambda obar, lse, partial, query, norm_weight: op(obar, lse, partial, query, EPS, norm_weight, NORM_EPS)
 
 
 class TestKernels:
@@ -98,16 +107,27 @@ class TestKernels:
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100)], ids=str)
-    def test_phase2_matches_reference(self, tokens, hidden, dtype):
+    def test_phase2_rms_norm_matches_reference(self, tokens, hidden, dtype):
         inputs = phase2_inputs(tokens, hidden, dtype)
         grad = torch.randn(*tokens, hidden).to(dtype)
-        (h,), kernel_grads = run_with_grads(phase2, inputs, (grad,), EPS)
+        (out,), kernel_grads = run_with_grads(fused_phase2(phase2_rms_norm), inputs, (grad,))
         fp32_inputs = tuple(x.float() for x in inputs)
-        (ref_h,), ref_grads = run_with_grads(reference_phase2, fp32_inputs, (grad.float(),), EPS)
-        assert h.dtype == dtype
-        assert_matches(h, ref_h)
+        (ref_out,), ref_grads = run_with_grads(fused_phase2(reference_phase2_rms_norm), fp32_inputs, (grad.float(),))
+        assert out.dtype == dtype
+        assert_matches(out, ref_out)
         for x, kernel_grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
             assert kernel_grad.dtype == x.dtype
+            assert_matches(kernel_grad, ref_grad)
+
+    def test_phase2_rms_norm_backward_loops_over_tokens(self, monkeypatch):
+        """More token tiles than backward programs, so each program loops and sums several tiles into its share of
+        the gain's gradient; 9 tokens also leave the last tile partly masked."""
+        monkeypatch.setattr(phase2_module, "_BACKWARD_SPLITS", 2)
+        inputs = phase2_inputs((9,), 40, torch.float32)
+        grad = torch.randn(9, 40)
+        _, kernel_grads = run_with_grads(fused_phase2(phase2_rms_norm), inputs, (grad,))
+        _, ref_grads = run_with_grads(fused_phase2(reference_phase2_rms_norm), inputs, (grad,))
+        for kernel_grad, ref_grad in zip(kernel_grads, ref_grads, strict=True):
             assert_matches(kernel_grad, ref_grad)
 
     def test_non_contiguous_inputs(self):
@@ -117,8 +137,9 @@ class TestKernels:
         ref_obar, ref_lse = reference_phase1(blocks, inverse_rms(blocks, EPS), queries)
         assert_matches(obar, ref_obar)
         partial = torch.randn(5, 2, 40).transpose(0, 1)
-        args = (obar[1], lse[1], partial, queries[1], EPS)
-        assert_matches(phase2(*args), reference_phase2(*args))
+        norm_weight = torch.randn(80)[::2]
+        args = (obar[1], lse[1], partial, queries[1], EPS, norm_weight, NORM_EPS)
+        assert_matches(phase2_rms_norm(*args), reference_phase2_rms_norm(*args))
 
     def test_query_gradient_reduction_over_many_rows(self, monkeypatch):
         """More rows than the reduction has splits, so each program loops; bf16 rows, fp32 result."""
@@ -127,15 +148,18 @@ class TestKernels:
         expected = (coef.double() @ rows.double()).float()
         torch.testing.assert_close(common.weighted_row_sum(coef, rows), expected, rtol=FP32_TOL, atol=1e-4)
 
-    @pytest.mark.parametrize("op_name", ["phase1", "phase2"])
+    @pytest.mark.parametrize("op_name", ["phase1", "phase2_rms_norm"])
     def test_custom_op_registration(self, op_name):
         """Schema, fake tensors, autograd registration and AOT tracing: what torch.compile relies on."""
         if op_name == "phase1":
             op, args = torch.ops.attnres.phase1.default, phase1_inputs(3, 2, (2, 3), 48, torch.bfloat16)
             args = (args[0].requires_grad_(), args[1].requires_grad_(), args[2].requires_grad_())
         else:
-            op = torch.ops.attnres.phase2.default
-            args = (*(x.requires_grad_() for x in phase2_inputs((2, 3), 48, torch.float32)), EPS)
+            op = torch.ops.attnres.phase2_rms_norm.default
+            obar, lse, partial, query, norm_weight = (
+                x.requires_grad_() for x in phase2_inputs((2, 3), 48, torch.float32)
+            )
+            args = (obar, lse, partial, query, EPS, norm_weight, NORM_EPS)
         torch.library.opcheck(op, args)
 
     @pytest.mark.parametrize("residual_mode", ["block", "full"])
@@ -144,24 +168,27 @@ class TestKernels:
         randomize_depth_parameters(model)
         ids = torch.randint(3, model.config.vocab_size, (2, 5))
 
-        def logits_and_query_grads(kernel: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        def logits_and_grads(kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
             model.zero_grad()
             logits = model(ids).logits
             logits.square().mean().backward()
-            return logits.detach(), [p.grad for n, p in model.named_parameters() if n.endswith("pseudo_query")]
+            return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
         assert depth_kernels(torch.device("cpu"), "auto") is None
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
-        assert depth_kernels(torch.device("cpu"), "auto") == (phase1, phase2)
+        assert depth_kernels(torch.device("cpu"), "auto") == (phase1, phase2_rms_norm)
 
-        logits, grads = logits_and_query_grads("triton")
-        ref_logits, ref_grads = logits_and_query_grads("reference")
+        logits, grads = logits_and_grads("triton")
+        ref_logits, ref_grads = logits_and_grads("reference")
         assert_matches(logits, ref_logits)
+        query_grads = [grad for name, grad in grads.items() if name.endswith("pseudo_query")]
         # The first sublayer attends over the embedding alone, so its softmax (and query gradient) is constant.
-        assert grads[0].abs().max() == 0 and all(grad.abs().max() > 0 for grad in grads[1:])
-        for grad, ref_grad in zip(grads, ref_grads, strict=True):
-            assert_matches(grad, ref_grad)
+        assert query_grads[0].abs().max() == 0 and all(grad.abs().max() > 0 for grad in query_grads[1:])
+        # Every weight, the pre-norm gains the fused phase 2 differentiates included.
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            assert_matches(grad, ref_grads[name])
 
 
 def test_kernels_under_interpreter():
@@ -204,7 +231,7 @@ def test_depth_kernels_dispatch(device, config_kernel, env, uses_kernels, monkey
         monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     else:
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
-    assert depth_kernels(torch.device(device), config_kernel) == ((phase1, phase2) if uses_kernels else None)
+    assert depth_kernels(torch.device(device), config_kernel) == ((phase1, phase2_rms_norm) if uses_kernels else None)
 
 
 def test_depth_kernels_without_triton_fall_back_unless_demanded(monkeypatch):
@@ -223,3 +250,28 @@ def test_depth_kernels_without_triton_fall_back_unless_demanded(monkeypatch):
 def test_depth_kernel_config_reaches_the_module():
     assert depth_mixer(tiny_config(depth_kernel="reference"), 2).depth_kernel == "reference"
     assert depth_mixer(tiny_config(), 2).depth_kernel == "auto"
+
+
+def test_kernel_benchmark_runs_under_interpreter(tmp_path):
+    """`benchmarks/kernels.py` end to end on the interpreter (its GPU shapes need a GPU): every implementation runs,
+    forward and backward, and in fp32 the kernels and the compiled reference agree with the eager one."""
+    output = tmp_path / "kernels.json"
+    command = [sys.executable, "-m", "benchmarks.kernels", "--interpret", "--tiny", "--dtype", "float32", "--reps", "1"]
+    result = subprocess.run(
+        [*command, "--output", str(output)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(output.read_text())["results"]
+    assert {(row["implementation"], row["mode"]) for row in rows} >= {
+        (name, mode) for name in ("eager", "triton", "compiled") for mode in ("fwd", "fwd+bwd")
+    }
+    for row in rows:
+        assert "error" not in row, row
+        assert row["median_ms"] > 0 and row["max_rel_error_vs_eager"] <= FP32_TOL, row
+
+
+test_kernel_benchmark_runs_under_interpreter.__test__ = not INTERPRETED

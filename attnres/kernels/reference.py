@@ -5,7 +5,7 @@ The reference lives in `two_phase.py`, a flat module of the package, because the
 reference.
 """
 
-from ..two_phase import inverse_rms, phase1, phase2
+from ..two_phase import inverse_rms, phase1, phase2, phase2_rms_norm
 
 
-__all__ = ["inverse_rms", "phase1", "phase2"]
+__all__ = ["inverse_rms", "phase1", "phase2", "phase2_rms_norm"]
