@@ -6,19 +6,32 @@ the state. The state is a tuple of tensors owned by the model's forward loop and
 decoder layers, so reentrant activation checkpointing sees every tensor:
 
 - standard PreNorm (SPEC §2): `(residual_stream,)`; the input is the stream, the output is added to it.
-- Block / Full AttnRes (SPEC §3-§4): `(blocks_inv_rms, partial, *blocks)`: the inverse RMS of the completed blocks
-  stacked `[N, batch, seq]` (keys are normalised once per block and reused by every later query), the running sum
-  of the current block (`None` before its first sublayer), and the completed block representations b_0 (the
-  embedding), b_1, ... as separate `[batch, seq, D]` tensors. They are never stacked into one tensor: a new stack per
-  completed block would copy every earlier block (quadratic in depth for Full AttnRes) and autograd would keep each
-  copy alive until the backward pass.
-  The paper's Table 4 ablations of AttnRes (`depth_ablation`) keep this state and compute the naive form.
+- Block / Full AttnRes (SPEC §3-§4): `(queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks)`:
+  - `queries` `[L + 1, D]`: every step's pseudo-query with its key-norm gain folded in, read once per forward pass
+    through each step's `DepthQuery` module (`AttnResModel.depth_queries`);
+  - `materialize` (bool): whether each step must return its input `h` itself (below);
+  - `blocks_inv_rms` `[N, batch, seq]`: the inverse RMS of the completed blocks (keys are normalised once per block
+    and reused by every later query);
+  - `obar` `[S, batch, seq, D]` and `lse` `[S, batch, seq]`: phase 1 of the current block (SPEC §6) for each of its
+    S steps, computed once when the previous block closed: the block's queries against the completed blocks;
+  - `partial`: the running sum of the current block (`None` before its first sublayer);
+  - the completed block representations b_0 (the embedding), b_1, ... as separate `[batch, seq, D]` tensors. They
+    are never stacked in the state: a new stack per completed block would copy every earlier block (quadratic in
+    depth for Full AttnRes) and autograd would keep each copy alive until the backward pass.
+
+  This is the two-phase form of SPEC §6: a step returns phase 1's row directly (the block's first step) or hands
+  phase 2 to the following pre-norm as a `PendingMerge`, so its input `h` is never materialised. When
+  `output_hidden_states` asks for every `h`, `materialize` makes the steps compute phase 2 themselves with the same
+  operations, so the outputs do not change. Where the queries cannot be read up front (parameters sharded by FSDP
+  or ZeRO-3 exist only inside their own layer's forward), `queries`, `obar` and `lse` are `None` and every step
+  runs phase 1 for its own query instead of reading its block's. The paper's Table 4 ablations of AttnRes
+  (`depth_ablation`) keep the same state with those `None` too and compute the naive form from the sources.
 - DenseFormer, Hyper-Connections and mHC (SPEC §7, for comparison): see `residual_variants.py`.
 """
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -26,7 +39,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import depth_attention, inverse_rms
+from .two_phase import as_float32, inverse_rms, phase2
+from .two_phase_torch import phase1 as torch_phase1
+from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
 
 
 def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int:
@@ -40,9 +55,15 @@ def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int
     return completed_blocks if opens_block else completed_blocks + 1
 
 
-def initial_depth_state(config, inputs_embeds: torch.Tensor) -> tuple:
+def initial_depth_state(
+    config, inputs_embeds: torch.Tensor, queries: torch.Tensor | None = None, materialize: bool = False
+) -> tuple:
     """The depth state before the first sublayer for `config.residual_mode`: the embedding is the whole residual
-    stream, block b_0, DenseFormer's stream and x_0, or every one of the Hyper-Connections streams."""
+    stream, block b_0, DenseFormer's stream and x_0, or every one of the Hyper-Connections streams.
+
+    For AttnRes, `queries` are every step's folded pseudo-query (`AttnResModel.depth_queries`; `None` for the
+    ablations), with which phase 1 of the first block is computed here, and `materialize` is the state's flag.
+    """
     mode = config.residual_mode
     if mode == "standard":
         return (inputs_embeds,)
@@ -50,42 +71,57 @@ def initial_depth_state(config, inputs_embeds: torch.Tensor) -> tuple:
         return inputs_embeds, inputs_embeds.unsqueeze(0)
     if mode in ("hc", "mhc"):
         return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
-    return inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0), None, inputs_embeds
+    blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
+    obar = lse = None
+    if queries is not None:
+        phase1, _ = two_phase_ops(inputs_embeds.device, config.depth_kernel)
+        first_block = slice(0, min(config.depth_block_size, config.num_sublayers))
+        obar, lse = phase1((inputs_embeds,), blocks_inv_rms, queries[first_block])
+    return queries, materialize, blocks_inv_rms, obar, lse, None, inputs_embeds
 
 
-def depth_kernels(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable] | None:
-    """The Triton `(phase1, phase2_rms_norm)` kernels if they should compute depth attention for tensors on `device`,
-    else `None` (the PyTorch reference, `two_phase.depth_attention`).
+def _stacked_phase1(kernel: Callable) -> Callable:
+    """The Triton phase 1, which reads the blocks as one `[N, *tokens, D]` tensor, behind `two_phase_torch.phase1`'s
+    signature (blocks given separately). The stack is one extra pass over the blocks per block, not per sublayer."""
 
-    The kernels (`attnres.kernels`, same numerics) are used on CUDA when Triton is importable and neither
-    `depth_kernel` (the config field) nor the environment variable `ATTNRES_DEPTH_KERNEL` says `"reference"`.
-    `ATTNRES_DEPTH_KERNEL=triton` demands the kernels on any device (on CPU that means Triton's interpreter,
-    `TRITON_INTERPRET=1`, for tests) and fails if they cannot be imported. The import is absolute and inside `try`
-    because this file is copied flat into remote-code checkpoints, which must load where neither `attnres` nor
-    Triton is installed.
+    def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        return kernel(torch.stack(blocks), blocks_inv_rms, queries)
+
+    return phase1
+
+
+def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable]:
+    """The `(phase1, phase2_rms_norm)` implementations that compute depth attention for tensors on `device`.
+
+    The Triton kernels (`attnres.kernels`) on CUDA when Triton is importable and neither `depth_kernel` (the config
+    field) nor the environment variable `ATTNRES_DEPTH_KERNEL` says `"reference"`; PyTorch ops with hand-written
+    backward (`two_phase_torch`, same numerics) otherwise. `ATTNRES_DEPTH_KERNEL=triton` demands the kernels on any
+    device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and fails if they cannot be
+    imported. The import is absolute and inside `try` because this file is copied flat into remote-code checkpoints,
+    which must load where neither `attnres` nor Triton is installed.
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in ("auto", "reference", "triton"):
         raise ValueError(f"ATTNRES_DEPTH_KERNEL must be 'auto', 'reference' or 'triton', got {override!r}")
     if depth_kernel == "reference" or override == "reference" or (override == "auto" and device.type != "cuda"):
-        return None
+        return torch_phase1, torch_phase2_rms_norm
     try:
         from attnres.kernels import phase1 as kernel_phase1
         from attnres.kernels import phase2_rms_norm as kernel_phase2_rms_norm
     except ImportError:
         if override == "triton":
             raise
-        return None
-    return kernel_phase1, kernel_phase2_rms_norm
+        return torch_phase1, torch_phase2_rms_norm
+    return _stacked_phase1(kernel_phase1), kernel_phase2_rms_norm
 
 
 class PendingMerge(NamedTuple):
     """Phase 2 of a depth-attention step (SPEC §6), handed over unfinished to the RMSNorm that reads its result.
 
-    On the Triton path a step's input `h` is only ever read by the pre-norm in front of its sublayer, so the step
-    returns this instead of `h` and the norm (`AttnResRMSNorm`) runs the merge and its own normalisation as one
-    kernel: `h` is never written to memory and read back, nor kept for the backward pass. It is a named tuple so that
-    accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
+    A step's input `h` is only ever read by the pre-norm in front of its sublayer, so the step returns this instead
+    of `h` and the norm (`AttnResRMSNorm`) runs the merge and its own normalisation as one operation
+    (`phase2_rms_norm`): `h` is never written to memory and read back, nor kept for the backward pass. It is a named
+    tuple so that accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
     """
 
     merge_and_norm: Callable
@@ -100,21 +136,26 @@ class PendingMerge(NamedTuple):
         return self.merge_and_norm(self.obar, self.lse, self.partial, self.query, self.eps, norm_weight, norm_eps)
 
 
-class DepthKeyRMSNorm(nn.Module):
-    """The gain gamma of a depth-mixing step's key RMSNorm, applied to the pseudo-query instead of the keys.
+class DepthQuery(nn.Module):
+    """A depth-attention step's pseudo-query `w` (zero-initialised: a new model starts from uniform depth attention)
+    and the gain `gamma` of its key RMSNorm, returned folded into one fp32 vector `w * gamma`.
 
-    `w . (gamma * RMSNorm(v)) == (w * gamma) . RMSNorm(v)`, so folding the gain into the query is exact and lets
-    every query share the same normalised keys (SPEC §6). Folding happens in this module's forward so the gain is
-    only read through a module call, which keeps accelerate's offloading hooks (`device_map` with disk / CPU
-    offload) in charge of loading it.
+    `w . (gamma * RMSNorm(v)) == (w * gamma) . RMSNorm(v)`, so folding is exact and lets every query share the same
+    normalised keys (SPEC §6). The model reads every step's query through this module's forward, so accelerate's
+    offloading hooks load the parameters first and PEFT's `modules_to_save` copies are the ones read.
     """
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, key_norm: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.pseudo_query = nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm_weight = nn.Parameter(torch.ones(hidden_size)) if key_norm else None
 
-    def forward(self, pseudo_query: torch.Tensor) -> torch.Tensor:
-        return pseudo_query.float() * self.weight.float()
+    def forward(self, offset: torch.Tensor | None = None) -> torch.Tensor:
+        """The folded query `[D]`; with `offset` (`[*tokens, D]`, an input-dependent ablation), `(w + offset) * gamma`."""
+        query = as_float32(self.pseudo_query)
+        if offset is not None:
+            query = query + offset
+        return query if self.key_norm_weight is None else query * as_float32(self.key_norm_weight)
 
 
 class StandardResidual(nn.Module):
@@ -130,10 +171,10 @@ class StandardResidual(nn.Module):
 class DepthAttention(nn.Module):
     """Block AttnRes in front of one sublayer: softmax attention over the completed blocks and the partial sum.
 
-    Holds the sublayer's pseudo-query `w_l` (zero-initialised, so a new model starts from uniform weights) and its
-    key RMSNorm gain. Full AttnRes is the same module with block size 1. On CUDA the Triton kernels compute the input
-    the two-phase way (SPEC §6: phase 1 over the completed blocks, then the online-softmax merge with the partial
-    sum); elsewhere `depth_attention` computes the same softmax in one go.
+    Holds the step's `query` (pseudo-query and key-norm gain). Full AttnRes is the same module with block size 1.
+    The step reads its row of phase 1, computed for the whole block when the previous block closed, and leaves
+    phase 2 to the following pre-norm (`PendingMerge`) unless the state asks it to `materialize` its input; the step
+    that closes a block computes phase 1 for the next one (SPEC §6).
     """
 
     def __init__(
@@ -146,39 +187,63 @@ class DepthAttention(nn.Module):
         depth_kernel: str = "auto",
     ):
         super().__init__()
-        self.pseudo_query = nn.Parameter(torch.zeros(hidden_size))
-        self.key_norm = DepthKeyRMSNorm(hidden_size)
+        self.query = DepthQuery(hidden_size)
         self.eps = eps
         self.position = position
         self.depth_kernel = depth_kernel
+        # Which of its block's phase-1 rows this step reads; the output step (L + 1) is a block of its own.
+        self.block_offset = (position - 1) % block_size if position <= num_sublayers else 0
         # The block is closed after its last sublayer and after the network's last sublayer, so the output step
-        # (position L + 1) always sees complete blocks only.
+        # always sees complete blocks only.
         self.closes_block = position % block_size == 0 or position == num_sublayers
+        # The steps whose queries phase 1 serves once this step closes its block (0-based rows of `queries`).
+        self.next_block = slice(position, min(position + block_size, num_sublayers) if position < num_sublayers else position + 1)
 
     def forward(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
+        self,
+        queries: torch.Tensor,
+        materialize: bool,
+        blocks_inv_rms: torch.Tensor,
+        obar: torch.Tensor,
+        lse: torch.Tensor,
+        partial: torch.Tensor | None,
+        *blocks: torch.Tensor,
     ) -> torch.Tensor | PendingMerge:
-        query = self.key_norm(self.pseudo_query)
-        kernels = depth_kernels(blocks_inv_rms.device, self.depth_kernel)
-        if kernels is None:
-            return depth_attention(blocks, blocks_inv_rms, partial, query, self.eps)
-        phase1_kernel, phase2_rms_norm_kernel = kernels
-        obar, lse = phase1_kernel(torch.stack(blocks), blocks_inv_rms, query.unsqueeze(0))
-        if partial is None:
-            return obar[0].to(blocks[0].dtype)
-        return PendingMerge(phase2_rms_norm_kernel, obar[0], lse[0], partial, query, self.eps)
+        phase1, phase2_rms_norm = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
+        if queries is None:  # queries not gathered (sharded parameters): this step's own phase 1
+            query = self.query()
+            obar, lse = phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
+            offset = 0
+        else:
+            query, offset = queries[self.position - 1], self.block_offset
+        if partial is None:  # the block's first step: phase 1 is the whole softmax
+            return obar[offset].to(blocks[0].dtype)
+        args = (obar[offset], lse[offset], partial, query, self.eps)
+        return phase2(*args) if materialize else PendingMerge(phase2_rms_norm, *args)
 
     def absorb(
-        self, output: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+        self,
+        output: torch.Tensor,
+        queries: torch.Tensor | None,
+        materialize: bool,
+        blocks_inv_rms: torch.Tensor,
+        obar: torch.Tensor | None,
+        lse: torch.Tensor | None,
+        partial: torch.Tensor | None,
+        *blocks: torch.Tensor,
+    ) -> tuple[torch.Tensor | bool | None, ...]:
         partial = output if partial is None else partial + output
         if not self.closes_block:
-            return blocks_inv_rms, partial, *blocks
+            return queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks
+        blocks = (*blocks, partial)
         blocks_inv_rms = torch.cat([blocks_inv_rms, inverse_rms(partial, self.eps).unsqueeze(0)])
-        return blocks_inv_rms, None, *blocks, partial
+        if queries is not None:
+            phase1, _ = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
+            obar, lse = phase1(blocks, blocks_inv_rms, queries[self.next_block])
+        return queries, materialize, blocks_inv_rms, obar, lse, None, *blocks
 
     def sources(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
+        self, queries, materialize, blocks_inv_rms, obar, lse, partial: torch.Tensor | None, *blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sources [b_0, ..., b_{n-1}, partial] stacked `[K, *tokens, D]`, and their inverse RMS `[K, *tokens]`."""
         if partial is None:
@@ -186,12 +251,10 @@ class DepthAttention(nn.Module):
         partial_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)
         return torch.stack([*blocks, partial]), torch.cat([blocks_inv_rms, partial_inv_rms])
 
-    def attention_weights(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> torch.Tensor:
+    def attention_weights(self, *depth_state: torch.Tensor | None) -> torch.Tensor:
         """The depth-attention weights `[batch, seq, num_sources]` over [b_0, ..., b_{n-1}, partial], for analysis."""
-        sources, inv_rms = self.sources(blocks_inv_rms, partial, *blocks)
-        logits = (sources.float() @ self.key_norm(self.pseudo_query)) * inv_rms
+        sources, inv_rms = self.sources(*depth_state)
+        logits = (sources.float() @ self.query()) * inv_rms
         return torch.softmax(logits, dim=0).movedim(0, -1)
 
     def extra_repr(self) -> str:
@@ -201,36 +264,33 @@ class DepthAttention(nn.Module):
 class DepthAttentionAblation(DepthAttention):
     """The naive form of depth attention (SPEC §3) over explicitly listed sources: the paper's Table 4 ablations.
 
-    Each ablation changes one step of the weights: the query (`query`), the scores (`logits`), how scores become
+    Each ablation changes one step of the weights: the query (`step_query`), the scores (`logits`), how scores become
     weights (`normalize`) or which sources are visible (`sources`). Each also breaks an assumption of the two-phase
-    form (a static query, the softmax merge, a common key norm), so they are computed naively: they exist to measure
-    quality, not speed. Weights are `[K, *tokens, heads]` (one head but for the multi-head ablation), in fp32.
+    form (a static query, the softmax merge, a common key norm), so they are computed naively, always in the per-step
+    form (the model gathers no queries for them): they exist to measure quality, not speed. Weights are
+    `[K, *tokens, heads]` (one head but for the multi-head ablation), in fp32.
     """
 
-    def query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+    def step_query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
         """The query with the key-norm gain folded in: `[D]`, or `[*tokens, D]` when it depends on the input."""
-        return self.key_norm(self.pseudo_query)
+        return self.query()
 
     def logits(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
-        scores = (sources.float() * self.query(sources, inv_rms)).sum(-1) * inv_rms
+        scores = (sources.float() * self.step_query(sources, inv_rms)).sum(-1) * inv_rms
         return scores.unsqueeze(-1)
 
     def normalize(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.softmax(logits, dim=0)
 
-    def forward(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> torch.Tensor:
-        sources, inv_rms = self.sources(blocks_inv_rms, partial, *blocks)
+    def forward(self, *depth_state: torch.Tensor | None) -> torch.Tensor:
+        sources, inv_rms = self.sources(*depth_state)
         weights = self.normalize(self.logits(sources, inv_rms))
         values = sources.float().unflatten(-1, (weights.shape[-1], -1))  # [K, *tokens, heads, D / heads]
         return (weights.unsqueeze(-1) * values).sum(0).flatten(-2).to(sources.dtype)
 
-    def attention_weights(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> torch.Tensor:
+    def attention_weights(self, *depth_state: torch.Tensor | None) -> torch.Tensor:
         """The weights `[batch, seq, num_sources]` (averaged over heads), for analysis."""
-        sources, inv_rms = self.sources(blocks_inv_rms, partial, *blocks)
+        sources, inv_rms = self.sources(*depth_state)
         return self.normalize(self.logits(sources, inv_rms)).mean(-1).movedim(0, -1)
 
 
@@ -246,9 +306,9 @@ class InputDependentQueryDepthAttention(DepthAttentionAblation):
         super().__init__(hidden_size, eps, position, block_size, num_sublayers)
         self.query_proj = nn.Parameter(torch.zeros(hidden_size, hidden_size))
 
-    def query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
+    def step_query(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
         newest = sources[-1].float() * inv_rms[-1].unsqueeze(-1)
-        return self.key_norm(self.pseudo_query.float() + newest @ self.query_proj.float().T)
+        return self.query(newest @ self.query_proj.float().T)
 
     def init_residual_parameters(self, std: float) -> None:
         init.zeros_(self.query_proj)
@@ -268,10 +328,10 @@ class NoKeyNormDepthAttention(DepthAttentionAblation):
 
     def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
         super().__init__(hidden_size, eps, position, block_size, num_sublayers)
-        del self.key_norm
+        self.query = DepthQuery(hidden_size, key_norm=False)
 
     def logits(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
-        return (sources.float() @ self.pseudo_query.float()).unsqueeze(-1)
+        return (sources.float() @ self.query()).unsqueeze(-1)
 
 
 class SlidingWindowDepthAttention(DepthAttentionAblation):
@@ -288,27 +348,21 @@ class SlidingWindowDepthAttention(DepthAttentionAblation):
         self.window = window
         self.num_unwindowed_sources = num_depth_sources(position, block_size, num_sublayers)
 
-    def sources(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        sources, inv_rms = super().sources(blocks_inv_rms, partial, *blocks)
+    def sources(self, *depth_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        sources, inv_rms = super().sources(*depth_state)
         start = max(1, sources.shape[0] - self.window)
         return torch.cat([sources[:1], sources[start:]]), torch.cat([inv_rms[:1], inv_rms[start:]])
 
-    def absorb(
-        self, output: torch.Tensor, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        blocks_inv_rms, partial, *blocks = super().absorb(output, blocks_inv_rms, partial, *blocks)
+    def absorb(self, output: torch.Tensor, *depth_state: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks = super().absorb(output, *depth_state)
         if len(blocks) > self.window + 1:
             blocks = [blocks[0], *blocks[-self.window :]]
             blocks_inv_rms = torch.cat([blocks_inv_rms[:1], blocks_inv_rms[-self.window :]])
-        return blocks_inv_rms, partial, *blocks
+        return queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks
 
-    def attention_weights(
-        self, blocks_inv_rms: torch.Tensor, partial: torch.Tensor | None, *blocks: torch.Tensor
-    ) -> torch.Tensor:
+    def attention_weights(self, *depth_state: torch.Tensor | None) -> torch.Tensor:
         """The weights over all the sources the unwindowed step would see, zero outside the window."""
-        visible = super().attention_weights(blocks_inv_rms, partial, *blocks)
+        visible = super().attention_weights(*depth_state)
         hidden = visible.new_zeros(*visible.shape[:-1], self.num_unwindowed_sources - visible.shape[-1])
         return torch.cat([visible[..., :1], hidden, visible[..., 1:]], dim=-1)
 
@@ -329,7 +383,7 @@ class MultiHeadDepthAttention(DepthAttentionAblation):
     def logits(self, sources: torch.Tensor, inv_rms: torch.Tensor) -> torch.Tensor:
         keys = sources.float().unflatten(-1, (self.heads, -1))  # [K, *tokens, heads, D / heads]
         keys = keys * inverse_rms(keys, self.eps).unsqueeze(-1)
-        return (keys * self.query(sources, inv_rms).unflatten(-1, (self.heads, -1))).sum(-1)
+        return (keys * self.step_query(sources, inv_rms).unflatten(-1, (self.heads, -1))).sum(-1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, heads={self.heads}"

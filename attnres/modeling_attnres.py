@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import initialization as init
+
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -37,7 +38,26 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DepthAttention, PendingMerge, depth_mixer, initial_depth_state, pre_norm_eps
+from .depth_mixing import (
+    DepthAttention,
+    DepthQuery,
+    PendingMerge,
+    depth_mixer,
+    initial_depth_state,
+    pre_norm_eps,
+)
+
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support: no parameter can be a DTensor
+    DTensor = ()
+
+
+def _holds_full_value(parameter: torch.Tensor, size: int) -> bool:
+    """Whether `parameter` (a `[size]` vector) can be read outside its module's forward: not a shard (an FSDP2
+    DTensor, or the empty placeholder FSDP1 and ZeRO-3 leave outside the owning unit's forward)."""
+    return parameter.numel() == size and not isinstance(parameter, DTensor)
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
@@ -194,9 +214,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, DepthAttention):
+        if isinstance(module, DepthQuery):
             # Zero pseudo-queries: uniform depth attention, which reproduces the PreNorm residual up to the norms.
             init.zeros_(module.pseudo_query)
+            if module.key_norm_weight is not None:
+                init.ones_(module.key_norm_weight)
         elif isinstance(module, MixtralExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -268,7 +290,10 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        depth_state = initial_depth_state(self.config, inputs_embeds)
+        # `output_hidden_states` records every depth-attention step's input, so the steps must compute it instead of
+        # handing phase 2 to the pre-norms (same operations, same result).
+        materialize = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
+        depth_state = initial_depth_state(self.config, inputs_embeds, self.depth_queries(), materialize)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 *depth_state,
@@ -282,6 +307,25 @@ class AttnResModel(AttnResPreTrainedModel):
         hidden_states = self.norm(self.output_residual(*depth_state))
 
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+    def depth_queries(self) -> torch.Tensor | None:
+        """Every depth-attention step's folded pseudo-query, stacked `[L + 1, D]` in sublayer order (the output step
+        last), so that phase 1 runs once per block for all of its queries. Read through each step's `DepthQuery`
+        module, so offloading hooks and PEFT wrappers see the call.
+
+        `None` when the model runs no two-phase depth attention (standard mode, the comparison residuals, the AttnRes
+        ablations), and when the queries cannot be read before their own layers run: parameters sharded by FSDP
+        (DTensors) or DeepSpeed ZeRO-3 (empty placeholders) are gathered only inside the forward of the unit that
+        owns them. Each step then runs phase 1 for its own query (same result, more passes over the blocks).
+        """
+        if self.config.residual_mode not in ("full", "block") or self.config.depth_ablation is not None:
+            return None
+        steps = [step.query for layer in self.layers for step in (layer.attn_residual, layer.mlp_residual)]
+        steps.append(self.output_residual.query)
+        parameters = [parameter for step in steps for parameter in step.parameters()]
+        if not all(_holds_full_value(parameter, self.config.hidden_size) for parameter in parameters):
+            return None
+        return torch.stack([step() for step in steps])
 
     @torch.no_grad()
     def depth_attention_weights(self, input_ids: torch.LongTensor, **kwargs) -> dict[str, torch.Tensor]:

@@ -1,24 +1,21 @@
-"""PyTorch reference for depth attention: the naive form of SPEC §3, the model's form, and the two-phase form of SPEC §6.
+"""PyTorch reference for depth attention: the naive form of SPEC §3 and the two-phase form of SPEC §6.
 
 Shapes: a stack of depth sources or completed blocks is `[N, *tokens, D]`; `*tokens` is any token layout
 (`[batch, seq]` in the model). All logits, softmax statistics and merges are computed in fp32 whatever the input
 dtype, because depth logits are dot products over the whole hidden size and bf16 would round them coarsely.
 
-`depth_attention` is what the model computes without the Triton kernels: one query against the completed blocks and
-the running partial sum as a single softmax, in as few tensor ops as possible (on the CPU a decode step is bound by
-per-op dispatch, and this runs 2L + 1 times per token). The Triton kernels in `attnres.kernels` implement `phase1`
-and `phase2_rms_norm` (phase 2 fused with the pre-norm that reads its result), which split the same softmax so a
-block is read once for all its queries, with the same signatures, and are tested against these functions.
+The model computes the two-phase form (SPEC §6): `phase1` once per block for all of its pseudo-queries, and
+`phase2` per sublayer, fused with the RMSNorm that reads its result (`phase2_rms_norm`). Its implementations are the
+Triton kernels in `attnres.kernels` and, elsewhere, `two_phase_torch` (PyTorch ops with hand-written backward);
+both have these functions' signatures and are tested against them.
 """
-
-from collections.abc import Sequence
 
 import torch
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:
-    """`x.float()` without the dispatch when `x` already is fp32: the reference path runs these ops 2L + 1 times per
-    decoded token, and a no-op `.float()` still costs a dispatch of about a microsecond."""
+    """`x.float()` without the dispatch when `x` already is fp32: the model's PyTorch path runs these ops 2L + 1
+    times per decoded token, and a no-op `.float()` still costs a dispatch of about a microsecond."""
     return x if x.dtype == torch.float32 else x.float()
 
 
@@ -43,45 +40,6 @@ def naive_depth_attention(
     weights = torch.softmax(logits, dim=0)
     hidden = (weights.unsqueeze(-1) * values).sum(0)
     return hidden.to(sources.dtype), weights.movedim(0, -1)
-
-
-def depth_attention(
-    blocks: Sequence[torch.Tensor],
-    blocks_inv_rms: torch.Tensor,
-    partial: torch.Tensor | None,
-    query: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """Softmax attention of one query over the completed blocks and the running partial sum: a sublayer's input.
-
-    Args:
-        blocks: the N completed block representations `[*tokens, D]` (b_0 = embedding first), not stacked.
-        blocks_inv_rms: their `inverse_rms` stacked `[N, *tokens]`, fp32, computed once when each block completed, so
-            keys are normalised once per block and reused by every later query.
-        partial: the running sum of the current block `[*tokens, D]`, or `None` for the block's first sublayer.
-        query: `[D]` fp32 pseudo-query with the key-norm gain folded in (`w * gamma`, see `phase1`).
-        eps: the key RMSNorm's eps (for the partial sum, the one key not normalised yet).
-
-    Returns the sublayer input `[*tokens, D]` in the dtype of `blocks`.
-    """
-    values = [as_float32(block) for block in blocks]
-    logits = torch.stack([value @ query for value in values]) * blocks_inv_rms  # [N, *tokens]
-    if partial is None:
-        weights = torch.softmax(logits, dim=0).unsqueeze(-1).unbind(0)
-        hidden = weights[0] * values[0]
-        pairs = zip(weights[1:], values[1:])
-    else:
-        partial_value = as_float32(partial)
-        partial_logit = (partial_value @ query) * inverse_rms(partial_value, eps)
-        weights = torch.softmax(torch.cat([logits, partial_logit.unsqueeze(0)]), dim=0).unsqueeze(-1).unbind(0)
-        hidden = weights[-1] * partial_value
-        pairs = zip(weights[:-1], values)
-    # N fused multiply-adds over whole blocks: on CPU about twice as fast at prefill sizes as one broadcast product
-    # and a sum over blocks (which writes an N-fold temporary), and far faster than an einsum, which batches the
-    # contraction over tokens as tiny matmuls.
-    for weight, value in pairs:
-        hidden.addcmul_(weight, value)
-    return hidden.to(blocks[0].dtype)
 
 
 def phase1(

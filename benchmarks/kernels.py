@@ -7,6 +7,7 @@ and phase 2 merging a partial sum for each of the other S - 1 sublayers, fused w
 the norms' gains) are timed for:
 
 - `triton`: `attnres.kernels`;
+- `pytorch`: `attnres.two_phase_torch`, what the model runs without Triton (hand-written backward passes);
 - `eager`: `attnres.two_phase`, the reference (the baseline every ratio is taken against);
 - `compiled`: the reference block step under `torch.compile`;
 - `flash-attn-res`: the PyPI package's Triton ops, when it is installed (it computes the blocks' RMS itself and
@@ -44,6 +45,7 @@ import triton  # noqa: E402
 
 from attnres import kernels  # noqa: E402
 from attnres import two_phase as reference  # noqa: E402
+from attnres import two_phase_torch  # noqa: E402
 
 
 EPS = 1e-6
@@ -96,6 +98,11 @@ def block_step(ops: Ops, blocks, inv_rms, queries, partials, norm_weights) -> li
     for i in range(1, queries.shape[0]):
         inputs.append(phase2_rms_norm(obar[i], lse[i], partials[i - 1], queries[i], EPS, norm_weights[i], EPS))
     return inputs
+
+
+def unstacked_phase1(blocks: torch.Tensor, inv_rms: torch.Tensor, queries: torch.Tensor):
+    """`two_phase_torch.phase1`, which takes the blocks as separate tensors, as the model holds them."""
+    return two_phase_torch.phase1(blocks.unbind(0), inv_rms, queries)
 
 
 def flash_attn_res_ops() -> Ops | None:
@@ -230,6 +237,7 @@ def main() -> None:
         implementations = {
             "eager": lambda *xs: block_step((reference.phase1, reference.phase2_rms_norm), *xs),
             "triton": lambda *xs: block_step((kernels.phase1, kernels.phase2_rms_norm), *xs),
+            "pytorch": lambda *xs: block_step((unstacked_phase1, two_phase_torch.phase2_rms_norm), *xs),
             "compiled": torch.compile(
                 lambda *xs: block_step((reference.phase1, reference.phase2_rms_norm), *xs), backend=compile_backend
             ),

@@ -81,7 +81,7 @@ def build_models(shape_name: str) -> dict[str, torch.nn.Module]:
     for mode in modes:
         model = build_model(shape_name, mode)
         missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
-        assert not unexpected and all(k.endswith(("pseudo_query", "key_norm.weight")) for k in missing)
+        assert not unexpected and all(k.endswith(("pseudo_query", "key_norm_weight")) for k in missing)
         models[mode] = model
     return models
 

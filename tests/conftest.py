@@ -44,7 +44,7 @@ def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0) -> None:
         for name, parameter in model.named_parameters():
             if name.endswith("pseudo_query"):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator))
-            elif "_residual.key_norm" in name:
+            elif name.endswith("key_norm_weight"):
                 parameter.copy_(1.0 + 0.5 * torch.randn(parameter.shape, generator=generator))
 
 

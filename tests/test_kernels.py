@@ -29,7 +29,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from attnres import AttnResForCausalLM
-from attnres.depth_mixing import depth_kernels, depth_mixer
+from attnres import two_phase_torch
+from attnres.depth_mixing import depth_mixer, two_phase_ops
 from attnres.kernels import common, phase1, phase2_rms_norm
 from attnres.kernels import phase2 as phase2_module
 from attnres.two_phase import inverse_rms
@@ -175,9 +176,9 @@ class TestKernels:
             logits.square().mean().backward()
             return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
-        assert depth_kernels(torch.device("cpu"), "auto") is None
+        assert uses_kernels(two_phase_ops(torch.device("cpu"), "auto")) is False
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
-        assert depth_kernels(torch.device("cpu"), "auto") == (phase1, phase2_rms_norm)
+        assert uses_kernels(two_phase_ops(torch.device("cpu"), "auto")) is True
 
         logits, grads = logits_and_grads("triton")
         ref_logits, ref_grads = logits_and_grads("reference")
@@ -189,6 +190,17 @@ class TestKernels:
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
             assert_matches(grad, ref_grads[name])
+
+        # Recording hidden states makes every step materialise its input (phase 2 unfused) on the kernel path too.
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
+        with torch.no_grad():
+            recorded = model(ids, output_hidden_states=True)
+            assert_matches(recorded.logits, ref_logits)
+            monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
+            ref_recorded = model(ids, output_hidden_states=True)
+        for hidden, ref_hidden in zip(recorded.hidden_states, ref_recorded.hidden_states, strict=True):
+            assert isinstance(hidden, torch.Tensor)
+            assert_matches(hidden, ref_hidden)
 
 
 def test_kernels_under_interpreter():
@@ -213,8 +225,16 @@ def test_kernels_under_interpreter():
 test_kernels_under_interpreter.__test__ = not INTERPRETED
 
 
+def uses_kernels(ops: tuple) -> bool:
+    """Whether `two_phase_ops` chose the Triton kernels (True) or the PyTorch implementation (False)."""
+    if ops[1] is phase2_rms_norm:
+        return True
+    assert ops == (two_phase_torch.phase1, two_phase_torch.phase2_rms_norm)
+    return False
+
+
 @pytest.mark.parametrize(
-    "device, config_kernel, env, uses_kernels",
+    "device, config_kernel, env, kernels",
     [
         ("cpu", "auto", None, False),
         ("cuda", "auto", None, True),
@@ -224,27 +244,27 @@ test_kernels_under_interpreter.__test__ = not INTERPRETED
         ("cpu", "reference", "triton", False),
     ],
 )
-def test_depth_kernels_dispatch(device, config_kernel, env, uses_kernels, monkeypatch):
-    """Kernels on CUDA under `"auto"`, the reference otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs
+def test_two_phase_ops_dispatch(device, config_kernel, env, kernels, monkeypatch):
+    """Kernels on CUDA under `"auto"`, the PyTorch implementation otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs
     nothing, so a CUDA device object is enough."""
     if env is None:
         monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     else:
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
-    assert depth_kernels(torch.device(device), config_kernel) == ((phase1, phase2_rms_norm) if uses_kernels else None)
+    assert uses_kernels(two_phase_ops(torch.device(device), config_kernel)) is kernels
 
 
-def test_depth_kernels_without_triton_fall_back_unless_demanded(monkeypatch):
+def test_two_phase_ops_without_triton_fall_back_unless_demanded(monkeypatch):
     """Where `attnres.kernels` cannot be imported (remote code without the package, or no Triton)."""
     monkeypatch.setitem(sys.modules, "attnres.kernels", None)
     monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
-    assert depth_kernels(torch.device("cuda"), "auto") is None
+    assert uses_kernels(two_phase_ops(torch.device("cuda"), "auto")) is False
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
     with pytest.raises(ImportError):
-        depth_kernels(torch.device("cuda"), "auto")
+        two_phase_ops(torch.device("cuda"), "auto")
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "fast")
     with pytest.raises(ValueError, match="ATTNRES_DEPTH_KERNEL"):
-        depth_kernels(torch.device("cuda"), "auto")
+        two_phase_ops(torch.device("cuda"), "auto")
 
 
 def test_depth_kernel_config_reaches_the_module():
@@ -267,7 +287,7 @@ def test_kernel_benchmark_runs_under_interpreter(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(output.read_text())["results"]
     assert {(row["implementation"], row["mode"]) for row in rows} >= {
-        (name, mode) for name in ("eager", "triton", "compiled") for mode in ("fwd", "fwd+bwd")
+        (name, mode) for name in ("eager", "triton", "pytorch", "compiled") for mode in ("fwd", "fwd+bwd")
     }
     for row in rows:
         assert "error" not in row, row

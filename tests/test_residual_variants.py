@@ -270,26 +270,28 @@ def test_ablation_step_follows_its_definition(ablation, with_partial):
     blocks, blocks_inv_rms, partial = random_depth_state(5, with_partial)
     sources = torch.cat([blocks] + ([partial[None]] if with_partial else []))
     eps = module.eps
-    w = module.pseudo_query
+    w = module.query.pseudo_query
     if ablation == "sliding_window":
         sources = torch.cat([sources[:1], sources[-2:]])
     if ablation == "multi_head":
         heads = sources.unflatten(-1, (4, 12))
-        logits = (rms_normalized(heads, eps) * (w * module.key_norm.weight).unflatten(-1, (4, 12))).sum(-1)
+        logits = (rms_normalized(heads, eps) * (w * module.query.key_norm_weight).unflatten(-1, (4, 12))).sum(-1)
         expected = (torch.softmax(logits, 0)[..., None] * heads).sum(0).flatten(-2)
     else:
         if ablation == "no_key_norm":
             logits = sources @ w
         elif ablation == "input_query":
             query = w + rms_normalized(sources[-1], eps) @ module.query_proj.T  # per token
-            logits = (rms_normalized(sources, eps) * module.key_norm.weight * query).sum(-1)
+            logits = (rms_normalized(sources, eps) * module.query.key_norm_weight * query).sum(-1)
         else:
-            logits = rms_normalized(sources, eps) @ (w * module.key_norm.weight)
+            logits = rms_normalized(sources, eps) @ (w * module.query.key_norm_weight)
         weights = torch.sigmoid(logits) if ablation == "sigmoid" else torch.softmax(logits, 0)
         expected = (weights[..., None] * sources).sum(0)
     with torch.no_grad():
-        assert max_diff(module(blocks_inv_rms, partial, *blocks), expected) <= 1e-5
-        weights = module.attention_weights(blocks_inv_rms, partial, *blocks)
+        # The ablations' state: no gathered queries and no phase 1 (depth_mixing's module docstring).
+        state = (None, False, blocks_inv_rms, None, None, partial, *blocks)
+        assert max_diff(module(*state), expected) <= 1e-5
+        weights = module.attention_weights(*state)
     if ablation == "sliding_window":  # a column for every source of the unwindowed step, 0 outside the window
         assert weights.shape[-1] == module.num_unwindowed_sources and (weights[..., 1:-2] == 0).all()
     else:
@@ -299,7 +301,7 @@ def test_ablation_step_follows_its_definition(ablation, with_partial):
     else:
         assert torch.allclose(weights.sum(-1), torch.ones(2, 5), atol=1e-6)
     if ablation == "no_key_norm":
-        assert not hasattr(module, "key_norm")
+        assert module.query.key_norm_weight is None
 
 
 @pytest.mark.parametrize("name", ["sliding_window", "block_sliding_window"])
@@ -308,7 +310,8 @@ def test_sliding_window_keeps_only_the_window_in_the_depth_state(name):
     window = model.config.depth_window
     sizes = []
     hooks = [
-        module.register_forward_pre_hook(lambda m, args: sizes.append(args[0].shape[0]))
+        # args: (queries, materialize, blocks_inv_rms, ...): blocks_inv_rms has a row per block the state keeps
+        module.register_forward_pre_hook(lambda m, args: sizes.append(args[2].shape[0]))
         for module in model.modules()
         if type(module).__name__ == "SlidingWindowDepthAttention"
     ]

@@ -110,8 +110,8 @@ def test_trainer_checkpoint_resume_matches_uninterrupted(tmp_path):
     # The checkpoint itself is an AttnRes folder: it reloads through the Auto class with its trained depth weights.
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoint-6")
     torch.testing.assert_close(
-        reloaded.model.layers[1].mlp_residual.pseudo_query,
-        uninterrupted.model.model.layers[1].mlp_residual.pseudo_query,
+        reloaded.model.layers[1].mlp_residual.query.pseudo_query,
+        uninterrupted.model.model.layers[1].mlp_residual.query.pseudo_query,
     )
 
 
@@ -142,12 +142,12 @@ def test_trainer_activation_checkpointing_gives_the_same_training(tmp_path, kind
 
 def expected_no_decay(num_layers: int, biases: bool) -> set[str]:
     """Written out by hand from the README's parameter table, independently of the helper's rule."""
-    names = {"model.norm.weight", "model.output_residual.pseudo_query", "model.output_residual.key_norm.weight"}
+    names = {"model.norm.weight", "model.output_residual.query.pseudo_query", "model.output_residual.query.key_norm_weight"}
     for i in range(num_layers):
         layer = f"model.layers.{i}"
         names |= {f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"}
         for step in ("attn_residual", "mlp_residual"):
-            names |= {f"{layer}.{step}.pseudo_query", f"{layer}.{step}.key_norm.weight"}
+            names |= {f"{layer}.{step}.query.pseudo_query", f"{layer}.{step}.query.key_norm_weight"}
         if biases:
             names |= {f"{layer}.self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
     return names
@@ -170,7 +170,7 @@ def test_trainer_optimizer_groups_hold_exactly_the_right_names(tmp_path, kind):
 
     # Why the helper exists: Trainer's own rule would decay every pseudo-query towards uniform attention.
     plain = Trainer(model=model, args=training_args(tmp_path / "plain"), train_dataset=counting_dataset())
-    assert "model.layers.0.attn_residual.pseudo_query" in plain.get_decay_parameter_names(model)
+    assert "model.layers.0.attn_residual.query.pseudo_query" in plain.get_decay_parameter_names(model)
 
 
 @pytest.mark.parametrize("mode", ["hc", "mhc", "denseformer"])
@@ -212,7 +212,7 @@ def test_train_depth_only_freezes_the_rest_and_survives_reentrant_checkpointing(
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     checkpointed = depth_grads()
     # Sublayer 1 reads a single source, so its pseudo-query has no gradient; every later one must have one.
-    assert plain["model.layers.2.attn_residual.pseudo_query"].abs().sum() > 0
+    assert plain["model.layers.2.attn_residual.query.pseudo_query"].abs().sum() > 0
     torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
 
 
@@ -232,7 +232,7 @@ def test_peft_lora_with_depth_modules_trains_saves_loads_and_merges(tmp_path):
     assert {n for n in trainable if "lora_" not in n} == {
         n
         for n in trainable
-        if n.endswith(("modules_to_save.default.pseudo_query", "modules_to_save.default.key_norm.weight"))
+        if n.endswith(("modules_to_save.default.query.pseudo_query", "modules_to_save.default.query.key_norm_weight"))
     }
     assert len([n for n in trainable if "lora_" not in n]) == 14
 
@@ -247,9 +247,9 @@ def test_peft_lora_with_depth_modules_trains_saves_loads_and_merges(tmp_path):
     trainer.train()
     losses = logged_losses(trainer)
     assert losses[-1] < losses[0], losses
-    trained_query = model.base_model.model.model.layers[2].attn_residual.modules_to_save["default"].pseudo_query
+    trained_query = model.base_model.model.model.layers[2].attn_residual.modules_to_save["default"].query.pseudo_query
     assert trained_query.abs().sum() > 0
-    assert model.base_model.model.model.layers[2].attn_residual.original_module.pseudo_query.abs().sum() == 0
+    assert model.base_model.model.model.layers[2].attn_residual.original_module.query.pseudo_query.abs().sum() == 0
 
     model.eval()
     ids = counting_dataset(num_rows=2, seed=5)[0]["input_ids"][None]
@@ -259,7 +259,7 @@ def test_peft_lora_with_depth_modules_trains_saves_loads_and_merges(tmp_path):
 
     model.save_pretrained(tmp_path / "adapter")
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert any(k.endswith("attn_residual.pseudo_query") for k in saved) and any("lora_B" in k for k in saved)
+    assert any(k.endswith("attn_residual.query.pseudo_query") for k in saved) and any("lora_B" in k for k in saved)
 
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()

@@ -87,7 +87,9 @@ def depth_profile(model: nn.Module, input_ids: torch.Tensor, label: str = "model
     model.eval()
     model.zero_grad(set_to_none=True)
     try:
-        logits = model(input_ids=input_ids, use_cache=False).logits.float()
+        # `output_hidden_states` makes AttnRes compute every sublayer input itself (by default the pre-norm
+        # receives the last depth-mixing phase unfinished, to fuse it), so the pre-norm hooks see tensors.
+        logits = model(input_ids=input_ids, use_cache=False, output_hidden_states=True).logits.float()
         loss = nn.functional.cross_entropy(logits[0, :-1], input_ids[0, 1:])
         loss.backward()
     finally:

@@ -198,7 +198,7 @@ class TensorRenamer:
 
 def is_depth_parameter(name: str) -> bool:
     """The parameters AttnRes adds: a pseudo-query and a key-norm gain per depth-mixing module."""
-    return bool(re.search(r"_residual\.(pseudo_query|key_norm\.weight)$", name))
+    return bool(re.search(r"_residual\.query\.(pseudo_query|key_norm_weight)$", name))
 
 
 def initial_depth_parameter(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -14,8 +14,8 @@ DEPTH_MODULE_NAMES = ("attn_residual", "mlp_residual", "output_residual")
 """Module names of the depth-mixing steps (`model.layers.{i}.attn_residual`, `.mlp_residual`,
 `model.output_residual`): the `modules_to_save` of the PEFT recipe."""
 
-# `attn_residual.pseudo_query`, and the same below a wrapper (PEFT: `attn_residual.modules_to_save.default.…`).
-_DEPTH_PARAMETER = re.compile(r"_residual\.(?:.+\.)?(?:pseudo_query|key_norm\.weight)$")
+# `attn_residual.query.pseudo_query`, and the same below a wrapper (PEFT: `attn_residual.modules_to_save.default.…`).
+_DEPTH_PARAMETER = re.compile(r"_residual\.(?:.+\.)?query\.(?:pseudo_query|key_norm_weight)$")
 
 
 def is_depth_parameter(name: str) -> bool:
@@ -41,7 +41,7 @@ def train_depth_only(model: nn.Module) -> list[str]:
     names = depth_parameter_names(model)
     if not names:
         raise ValueError(
-            f"{type(model).__name__} has no depth-mixing parameters (pseudo_query / key_norm.weight under "
+            f"{type(model).__name__} has no depth-mixing parameters (query.pseudo_query / query.key_norm_weight under "
             f"{', '.join(DEPTH_MODULE_NAMES)}): depth-only training needs residual_mode='block' or 'full'."
         )
     trainable = set(names)
