@@ -151,7 +151,8 @@ class DepthQuery(nn.Module):
         self.key_norm_weight = nn.Parameter(torch.ones(hidden_size)) if key_norm else None
 
     def forward(self, offset: torch.Tensor | None = None) -> torch.Tensor:
-        """The folded query `[D]`; with `offset` (`[*tokens, D]`, an input-dependent ablation), `(w + offset) * gamma`."""
+        """The folded query `[D]`; with `offset` (`[*tokens, D]`, for an input-dependent ablation), the per-token
+        `(w + offset) * gamma`."""
         query = as_float32(self.pseudo_query)
         if offset is not None:
             query = query + offset
@@ -196,16 +197,18 @@ class DepthAttention(nn.Module):
         # The block is closed after its last sublayer and after the network's last sublayer, so the output step
         # always sees complete blocks only.
         self.closes_block = position % block_size == 0 or position == num_sublayers
-        # The steps whose queries phase 1 serves once this step closes its block (0-based rows of `queries`).
-        self.next_block = slice(position, min(position + block_size, num_sublayers) if position < num_sublayers else position + 1)
+        # The steps whose queries phase 1 serves once this step closes its block (0-based rows of `queries`): the
+        # next block's sublayers, or the output step alone after the last sublayer.
+        next_end = min(position + block_size, num_sublayers) if position < num_sublayers else position + 1
+        self.next_block = slice(position, next_end)
 
     def forward(
         self,
-        queries: torch.Tensor,
+        queries: torch.Tensor | None,
         materialize: bool,
         blocks_inv_rms: torch.Tensor,
-        obar: torch.Tensor,
-        lse: torch.Tensor,
+        obar: torch.Tensor | None,
+        lse: torch.Tensor | None,
         partial: torch.Tensor | None,
         *blocks: torch.Tensor,
     ) -> torch.Tensor | PendingMerge:

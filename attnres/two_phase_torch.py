@@ -117,7 +117,7 @@ def _one_query_forward(
     raw = torch.stack([value @ queries[0] for value in values])
     weights, lse = _softmax_and_lse(raw * blocks_inv_rms, dim=0)
     # N fused multiply-adds over whole blocks: with one query, a batched matmul over tokens would be tiny products.
-    terms = zip(weights.unsqueeze(-1), values, strict=True)
+    terms = zip(weights.unsqueeze(-1).unbind(0), values, strict=True)  # unbind: one dispatch, not one per block
     weight, value = next(terms)
     obar = weight * value
     for weight, value in terms:

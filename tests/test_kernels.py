@@ -245,8 +245,8 @@ def uses_kernels(ops: tuple) -> bool:
     ],
 )
 def test_two_phase_ops_dispatch(device, config_kernel, env, kernels, monkeypatch):
-    """Kernels on CUDA under `"auto"`, the PyTorch implementation otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs
-    nothing, so a CUDA device object is enough."""
+    """Kernels on CUDA under `"auto"`, the PyTorch implementation otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only
+    chooses: runs nothing, so a CUDA device object is enough."""
     if env is None:
         monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     else:

@@ -211,7 +211,10 @@ def test_torch_two_phase_matches_reference(num_blocks, num_queries, tokens, dtyp
     grad = (torch.randn(*tokens, hidden, generator=generator).to(dtype),)
 
     def fused(module):
-        return lambda obar, lse, partial, query, weight: module.phase2_rms_norm(obar, lse, partial, query, 1e-6, weight, 1e-5)
+        def phase2_rms_norm(obar, lse, partial, query, weight):
+            return module.phase2_rms_norm(obar, lse, partial, query, 1e-6, weight, 1e-5)
+
+        return phase2_rms_norm
 
     def straight_through(x: torch.Tensor) -> torch.Tensor:
         """`x` rounded to `dtype` in the forward pass and untouched in the backward, as the backward pass treats the

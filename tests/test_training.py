@@ -142,7 +142,8 @@ def test_trainer_activation_checkpointing_gives_the_same_training(tmp_path, kind
 
 def expected_no_decay(num_layers: int, biases: bool) -> set[str]:
     """Written out by hand from the README's parameter table, independently of the helper's rule."""
-    names = {"model.norm.weight", "model.output_residual.query.pseudo_query", "model.output_residual.query.key_norm_weight"}
+    output_query = "model.output_residual.query"
+    names = {"model.norm.weight", f"{output_query}.pseudo_query", f"{output_query}.key_norm_weight"}
     for i in range(num_layers):
         layer = f"model.layers.{i}"
         names |= {f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"}

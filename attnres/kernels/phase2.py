@@ -109,7 +109,8 @@ def _phase2_rms_norm_forward_kernel(
         mask = t_mask[:, None] & d_mask[None, :]
         h, _, _ = _merged(obar_ptr, partial_ptr, rows + d[None, :], mask, gate)
         gain = tl.load(norm_weight_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows + d[None, :], (gain[None, :] * h * norm_inv_rms).to(out_ptr.dtype.element_ty), mask=mask)
+        out = gain[None, :] * h * norm_inv_rms
+        tl.store(out_ptr + rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
