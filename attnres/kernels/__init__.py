@@ -7,7 +7,7 @@ any hidden size and token count. They are registered as `torch.ops.attnres.phase
 `torch.ops.attnres.phase2_rms_norm` with fake (meta) implementations and autograd formulas, so `torch.compile`
 traces them as opaque nodes and differentiates through them.
 
-Importing this package imports Triton; `attnres.depth_mixing.depth_kernels` imports it only when the kernels are
+Importing this package imports Triton; `attnres.depth_mixing.two_phase_ops` imports it only when the kernels are
 selected, so the model runs without Triton and CPU processes never JIT-compile these kernels (which also lets
 tests set `TRITON_INTERPRET=1` before the first import).
 """
