@@ -212,9 +212,9 @@ class DepthAttention(nn.Module):
         partial: torch.Tensor | None,
         *blocks: torch.Tensor,
     ) -> torch.Tensor | PendingMerge:
-        phase1, phase2_rms_norm = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
         if queries is None:  # queries not gathered (sharded parameters): this step's own phase 1
             query = self.query()
+            phase1, _ = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
             obar, lse = phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
             offset = 0
         else:
@@ -222,7 +222,10 @@ class DepthAttention(nn.Module):
         if partial is None:  # the block's first step: phase 1 is the whole softmax
             return obar[offset].to(blocks[0].dtype)
         args = (obar[offset], lse[offset], partial, query, self.eps)
-        return phase2(*args) if materialize else PendingMerge(phase2_rms_norm, *args)
+        if materialize:
+            return phase2(*args)
+        _, phase2_rms_norm = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
+        return PendingMerge(phase2_rms_norm, *args)
 
     def absorb(
         self,
