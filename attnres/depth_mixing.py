@@ -44,6 +44,12 @@ from .two_phase_torch import phase1 as torch_phase1
 from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
 
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support: no parameter can be a DTensor
+    DTensor = ()
+
+
 def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int:
     """How many sources the depth-mixing step in front of sublayer `position` (1..L, or L + 1 for the output)
     attends over: the completed blocks b_0..b_{n-1}, plus the running partial sum unless the sublayer opens its
@@ -157,6 +163,40 @@ class DepthQuery(nn.Module):
         if offset is not None:
             query = query + offset
         return query if self.key_norm_weight is None else query * as_float32(self.key_norm_weight)
+
+    def runs_only_forward(self) -> bool:
+        """Whether calling this module runs nothing but `forward`: it is not a PEFT wrapper's copy holder, and no
+        hook is attached (torch's, or accelerate's, which replaces `forward` on the instance)."""
+        module_hooks = self._forward_hooks or self._forward_pre_hooks
+        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+        return type(self) is DepthQuery and "forward" not in vars(self) and not module_hooks and not global_hooks
+
+
+def fold_queries(steps: Sequence[nn.Module], hidden_size: int) -> torch.Tensor | None:
+    """`torch.stack([step() for step in steps])` for `DepthQuery` modules (or wrappers of them): `[len(steps), D]`.
+
+    `None` when a parameter cannot be read outside its own layer's forward: a shard of FSDP2 (a DTensor) or the empty
+    placeholder FSDP1 and DeepSpeed ZeRO-3 leave until the owning unit gathers it.
+
+    When every call would run nothing but `DepthQuery.forward`, the parameters are stacked and folded in three tensor
+    operations instead of one module call each: this runs on every forward pass, and 2L + 1 module calls cost more
+    than a decoder layer when decoding one token on a CPU. The fold is elementwise, so the result is the same. The
+    parameters are read from `_parameters` because `nn.Module.__getattr__` alone costs microseconds per read.
+    """
+    if all(isinstance(step, DepthQuery) and step.runs_only_forward() for step in steps):
+        pseudo_queries = [step._parameters["pseudo_query"] for step in steps]
+        gains = [step._parameters["key_norm_weight"] for step in steps]
+        if not all(_holds_full_value(parameter, hidden_size) for parameter in (*pseudo_queries, *gains)):
+            return None
+        return as_float32(torch.stack(pseudo_queries)) * as_float32(torch.stack(gains))
+    if not all(_holds_full_value(parameter, hidden_size) for step in steps for parameter in step.parameters()):
+        return None
+    return torch.stack([step() for step in steps])
+
+
+def _holds_full_value(parameter: torch.Tensor, size: int) -> bool:
+    """Whether `parameter` (a `[size]` vector) is whole: not a DTensor shard nor an empty placeholder."""
+    return parameter.numel() == size and not isinstance(parameter, DTensor)
 
 
 class StandardResidual(nn.Module):

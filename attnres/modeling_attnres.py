@@ -43,21 +43,10 @@ from .depth_mixing import (
     DepthQuery,
     PendingMerge,
     depth_mixer,
+    fold_queries,
     initial_depth_state,
     pre_norm_eps,
 )
-
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed support: no parameter can be a DTensor
-    DTensor = ()
-
-
-def _holds_full_value(parameter: torch.Tensor, size: int) -> bool:
-    """Whether `parameter` (a `[size]` vector) can be read outside its module's forward: not a shard (an FSDP2
-    DTensor, or the empty placeholder FSDP1 and ZeRO-3 leave outside the owning unit's forward)."""
-    return parameter.numel() == size and not isinstance(parameter, DTensor)
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
@@ -322,10 +311,7 @@ class AttnResModel(AttnResPreTrainedModel):
             return None
         steps = [step.query for layer in self.layers for step in (layer.attn_residual, layer.mlp_residual)]
         steps.append(self.output_residual.query)
-        parameters = [parameter for step in steps for parameter in step.parameters()]
-        if not all(_holds_full_value(parameter, self.config.hidden_size) for parameter in parameters):
-            return None
-        return torch.stack([step() for step in steps])
+        return fold_queries(steps, self.config.hidden_size)
 
     @torch.no_grad()
     def depth_attention_weights(self, input_ids: torch.LongTensor, **kwargs) -> dict[str, torch.Tensor]:

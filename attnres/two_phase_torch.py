@@ -114,7 +114,7 @@ def _one_query_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(obar [1, *tokens, D], lse [1, *tokens], weights [N, *tokens], raw [N, *tokens])` for one query."""
     values = [as_float32(block) for block in blocks]
-    raw = torch.stack([value @ queries[0] for value in values])
+    raw = torch.stack([torch.linalg.vecdot(value, queries[0]) for value in values])
     weights, lse = _softmax_and_lse(raw * blocks_inv_rms, dim=0)
     # N fused multiply-adds over whole blocks: with one query, a batched matmul over tokens would be tiny products.
     terms = zip(weights.unsqueeze(-1).unbind(0), values, strict=True)  # unbind: one dispatch, not one per block
@@ -148,7 +148,7 @@ def _phase2_rms_norm_forward(obar, lse, partial, query, eps, norm_weight, norm_e
     the same order, so the result is bit-identical to the model computing `h` and then normalising it.
     """
     values = as_float32(partial)
-    raw = values @ query
+    raw = torch.linalg.vecdot(values, query)
     inv_rms = inverse_rms(values, eps)
     gate = torch.sigmoid(raw * inv_rms - lse)
     hidden = as_float32(torch.lerp(obar, values, gate.unsqueeze(-1)).to(partial.dtype))

@@ -234,11 +234,34 @@ def test_torch_two_phase_matches_reference(num_blocks, num_queries, tokens, dtyp
         assert_close_to_fp32(grad, ref_grad)
 
 
+def test_depth_queries_are_read_through_hooked_or_wrapped_modules():
+    """The model folds every step's query from the parameters directly when no call would run anything but
+    `DepthQuery.forward`; a hooked (accelerate, torch) or replaced step is called instead. Both give the same queries."""
+    model = AttnResForCausalLM(tiny_config(residual_mode="block", block_size=3))
+    randomize_depth_parameters(model)
+    direct = model.model.depth_queries()
+    step = model.model.layers[1].mlp_residual.query
+    calls = []
+    handle = step.register_forward_hook(lambda module, args, output: calls.append(output))
+    try:
+        called = model.model.depth_queries()
+    finally:
+        handle.remove()
+    assert len(calls) == 1 and torch.equal(calls[0], direct[3])
+    assert torch.equal(called, direct)
+    # A hook may change what the step returns (as PEFT's wrappers return their copy's query): the model reads that.
+    handle = step.register_forward_hook(lambda module, args, output: output * 2)
+    try:
+        assert torch.equal(model.model.depth_queries()[3], 2 * direct[3])
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("residual_mode", ["block", "full"])
 def test_per_step_phase1_when_queries_cannot_be_gathered(residual_mode, monkeypatch):
     """Sharded parameters (FSDP, ZeRO-3) cannot be read before their layer runs: the model then lets each step run
     phase 1 for its own query. Same logits and gradients as phase 1 once per block."""
-    from attnres import modeling_attnres
+    from attnres import depth_mixing
 
     model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode, block_size=3))
     randomize_depth_parameters(model)
@@ -253,8 +276,8 @@ def test_per_step_phase1_when_queries_cannot_be_gathered(residual_mode, monkeypa
     assert model.model.depth_queries() is not None
     logits, grads = logits_and_grads()
     # What an FSDP1 / ZeRO-3 placeholder looks like outside its unit's forward: an empty tensor.
-    assert not modeling_attnres._holds_full_value(torch.empty(0), model.config.hidden_size)
-    monkeypatch.setattr(modeling_attnres, "_holds_full_value", lambda parameter, size: False)
+    assert not depth_mixing._holds_full_value(torch.empty(0), model.config.hidden_size)
+    monkeypatch.setattr(depth_mixing, "_holds_full_value", lambda parameter, size: False)
     assert model.model.depth_queries() is None
     per_step_logits, per_step_grads = logits_and_grads()
     assert max_diff(per_step_logits, logits) <= 1e-5
