@@ -39,7 +39,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import as_float32, inverse_rms, phase2
+from .two_phase import as_float32, cast, inverse_rms, phase2
 from .two_phase_torch import phase1 as torch_phase1
 from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
 
@@ -260,7 +260,7 @@ class DepthAttention(nn.Module):
         else:
             query, offset = queries[self.position - 1], self.block_offset
         if partial is None:  # the block's first step: phase 1 is the whole softmax
-            return obar[offset].to(blocks[0].dtype)
+            return cast(obar[offset], blocks[0].dtype)
         args = (obar[offset], lse[offset], partial, query, self.eps)
         if materialize:
             return phase2(*args)

@@ -19,6 +19,11 @@ def as_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without the dispatch when `x` already has that dtype (see `as_float32`)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`rsqrt(mean(x**2) + eps)` over the last dimension, in fp32: the scale RMSNorm applies to `x`."""
     x = as_float32(x)

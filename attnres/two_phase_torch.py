@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .two_phase import as_float32, inverse_rms
+from .two_phase import as_float32, cast, inverse_rms
 
 
 def _softmax_and_lse(logits: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,9 +151,9 @@ def _phase2_rms_norm_forward(obar, lse, partial, query, eps, norm_weight, norm_e
     raw = torch.linalg.vecdot(values, query)
     inv_rms = inverse_rms(values, eps)
     gate = torch.sigmoid(raw * inv_rms - lse)
-    hidden = as_float32(torch.lerp(obar, values, gate.unsqueeze(-1)).to(partial.dtype))
+    hidden = as_float32(cast(torch.lerp(obar, values, gate.unsqueeze(-1)), partial.dtype))
     norm_inv_rms = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm_eps)
-    out = norm_weight * (hidden * norm_inv_rms).to(partial.dtype)
+    out = norm_weight * cast(hidden * norm_inv_rms, partial.dtype)
     return out, gate, raw, inv_rms, norm_inv_rms.squeeze(-1)
 
 

@@ -10,7 +10,11 @@ Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt;
 - train: forward + backward of a batch of 4 x 256 tokens;
-- memory: peak resident memory added by one training step, measured in a fresh subprocess per model.
+- memory: what one training step adds at its peak, in a fresh subprocess per model: the bytes its tensors hold (the
+  allocator-independent figure, as `torch.cuda.max_memory_allocated` on a GPU) and the resident memory (RSS), which
+  also counts what glibc's allocator keeps in its heap: by default glibc serves freed sizes up to 32 MiB from the
+  heap afterwards, so RSS depends on how the step's allocations interleave (`MALLOC_MMAP_THRESHOLD_=131072` turns
+  that off: RSS then follows the tensors).
 
 Usage:
     python -m benchmarks.overhead                  # eager, all shapes, ~9 minutes on 2 cores
@@ -26,13 +30,17 @@ Prints a markdown table and writes JSON to benchmarks/results/overhead.json.
 import argparse
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from attnres import AttnResConfig, AttnResForCausalLM
@@ -141,28 +149,59 @@ def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str,
     return results
 
 
-def peak_train_memory(shape: str, name: str) -> float:
-    """MiB of resident memory one training step adds on top of the built model, in a fresh process.
+class TensorMemoryPeak(TorchDispatchMode):
+    """The peak of the bytes held by tensor storages allocated while active: what the step's tensors need, whatever
+    the allocator (the CPU's counterpart of `torch.cuda.max_memory_allocated`). Each new storage is counted when an
+    operation returns it and released when it is freed."""
 
-    Linux's high-water mark (VmHWM) is reset to the current RSS right before the step (`/proc/self/clear_refs`), so
-    the transient peaks of building the model do not hide the step's own peak.
-    """
-    code = f"""
-import re, torch
-from pathlib import Path
-from benchmarks.overhead import build_model, train_step, TRAIN_BATCH, TRAIN_TOKENS
-def status_kib(field):
-    return int(re.search(field + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
-model = build_model({shape!r}, {name!r}).train()
-ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
-before = status_kib("VmRSS")
-Path("/proc/self/clear_refs").write_text("5")
-train_step(model, ids)
-print((status_kib("VmHWM") - before) / 1024)
-"""
+    def __init__(self):
+        super().__init__()
+        self.held = self.peak = 0
+        self.sizes: dict[int, int] = {}
+
+    def _release(self, address: int) -> None:
+        self.held -= self.sizes.pop(address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                address = storage.data_ptr()
+                if address and address not in self.sizes:
+                    self.sizes[address] = storage.nbytes()
+                    self.held += storage.nbytes()
+                    self.peak = max(self.peak, self.held)
+                    weakref.finalize(storage, self._release, address)
+        return out
+
+
+def train_memory_in_this_process(shape: str, name: str) -> dict[str, float]:
+    """MiB one training step adds on top of the built model: the peak resident memory, then (a second step) the peak
+    of its tensors. Linux's high-water mark (VmHWM) is reset to the current RSS right before the first step
+    (`/proc/self/clear_refs`), so the transient peaks of building the model do not hide the step's own peak."""
+
+    def status_kib(field: str) -> int:
+        return int(re.search(field + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+    model = build_model(shape, name).train()
+    ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
+    before = status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    train_step(model, ids)
+    resident = (status_kib("VmHWM") - before) / 1024
+    with TensorMemoryPeak() as tensors:
+        train_step(model, ids)
+    return {"train_peak_mib": resident, "train_tensor_peak_mib": tensors.peak / 2**20}
+
+
+def peak_train_memory(shape: str, name: str) -> dict[str, float]:
+    """`train_memory_in_this_process` in a fresh process, so that models measured earlier leave nothing behind."""
+    code = "import json; from benchmarks.overhead import train_memory_in_this_process as measure; "
+    code += f"print(json.dumps(measure({shape!r}, {name!r})))"
     root = Path(__file__).resolve().parents[1]
     output = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
-    return float(output.strip().splitlines()[-1])
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def cpu_model() -> str:
@@ -197,21 +236,23 @@ def main() -> None:
                 for workload, medians in times.items():
                     row[f"{workload}_s"] = medians[name]
                     row[f"{workload}_ratio"] = medians[name] / medians[baseline]
-                if memory:
-                    row["train_peak_mib"] = memory[name]
-                    row["train_peak_ratio"] = memory[name] / memory[baseline]
+                for key, mib in memory.get(name, {}).items():
+                    row[key] = mib
+                    row[key.replace("_mib", "_ratio")] = mib / memory[baseline][key]
                 rows.append(row)
         del models
 
-    header = "| shape | mode | model | prefill | decode / token | train step | train peak memory |"
-    print(header)
-    print("|" + "---|" * 7)
+    print("| shape | mode | model | prefill | decode / token | train step | train peak: tensors | train peak: RSS |")
+    print("|" + "---|" * 8)
     for row in rows:
-        memory = f"{row['train_peak_ratio']:.3f}x ({row['train_peak_mib']:.0f} MiB)" if "train_peak_mib" in row else "-"
+        memory = [
+            f"{row[key + '_ratio']:.3f}x ({row[key + '_mib']:.0f} MiB)" if key + "_mib" in row else "-"
+            for key in ("train_tensor_peak", "train_peak")
+        ]
         print(
             f"| {row['shape']} | {row['mode']} | {row['model']} | {row['prefill_ratio']:.3f}x ({row['prefill_s'] * 1e3:.0f} ms)"
             f" | {row['decode_ratio']:.3f}x ({row['decode_s'] * 1e3:.1f} ms) | {row['train_ratio']:.3f}x"
-            f" ({row['train_s'] * 1e3:.0f} ms) | {memory} |"
+            f" ({row['train_s'] * 1e3:.0f} ms) | {memory[0]} | {memory[1]} |"
         )
     machine = {
         "processor": cpu_model(),
