@@ -4,11 +4,12 @@ For each shape, every model gets the same weights as the baseline (`LlamaForCaus
 the MoE rows) and the workloads are timed with interleaved repetitions (baseline, standard, block, full, baseline,
 ...), so machine noise hits every model alike; the table reports median times and their ratio to the baseline of
 the same run. In eager mode there is no separate warm-up: a slow first sample of every model is absorbed by the
-median.
+median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before timing.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
-- decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt;
+- decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
+  across the models (eager: a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`);
 - train: forward + backward of a batch of 4 x 256 tokens;
 - memory: what one training step adds at its peak, in a fresh subprocess per model: the bytes its tensors hold (the
   allocator-independent figure, as `torch.cuda.max_memory_allocated` on a GPU) and the resident memory (RSS), which
@@ -17,9 +18,10 @@ Workloads (fp32):
   that off: RSS then follows the tensors).
 
 Usage:
-    python -m benchmarks.overhead                  # eager, all shapes, ~9 minutes on 2 cores
-    python -m benchmarks.overhead --compile --shapes small   # also torch.compile (both models compiled alike);
-                                                   # compiling dominates: ~2-4 minutes per model and workload
+    python -m benchmarks.overhead                  # eager, all shapes, ~10 minutes on 2 cores
+    python -m benchmarks.overhead --compile --shapes small --no-memory \
+        --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
+                                                   # (up to a few minutes per model and workload on 2 cores)
     python -m benchmarks.overhead --shapes small --repeats 3   # quick look
 
 Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, StaticCache
 
 from attnres import AttnResConfig, AttnResForCausalLM
 
@@ -99,19 +101,6 @@ def prefill(model, ids):
         model(ids, use_cache=False, logits_to_keep=1)
 
 
-def decode(model, ids):
-    """Per-token latency: 64 greedy steps after the prompt (prompt processing not timed)."""
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        token = logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            logits = model(token, cache=cache, use_cache=True).logits
-            token = logits[:, -1:].argmax(-1)
-        return (time.perf_counter() - start) / DECODE_STEPS
-
-
 def train_step(model, ids):
     model.zero_grad(set_to_none=True)
     model(ids, labels=ids, use_cache=False).loss.backward()
@@ -119,11 +108,43 @@ def train_step(model, ids):
 
 def timed(function, model, ids) -> float:
     start = time.perf_counter()
-    result = function(model, ids)
-    return result if result is not None else time.perf_counter() - start
+    function(model, ids)
+    return time.perf_counter() - start
 
 
-def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str, dict[str, float]]:
+def decode_samples(runners: dict, models: dict, prompt: torch.Tensor, static_cache: bool) -> dict[str, list[float]]:
+    """Per-token times of `DECODE_STEPS` greedy steps after `prompt` (not timed), interleaved token by token across
+    the models, so that each model's median is over every step and machine noise hits all models alike.
+
+    Compiled models decode with a `StaticCache` (fixed shapes: Transformers' way to compile generation; a growing
+    `DynamicCache` recompiles at every length), eager ones with the `DynamicCache` that `generate` uses by default.
+    """
+    states = {}
+    with torch.inference_mode():
+        for name, runner in runners.items():
+            config = models[name].config
+            max_length = DECODE_PROMPT + DECODE_STEPS
+            cache = StaticCache(config=config, max_cache_len=max_length) if static_cache else DynamicCache(config=config)
+            positions = torch.arange(DECODE_PROMPT).unsqueeze(0)
+            logits = runner(prompt, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1).logits
+            states[name] = (cache, logits[:, -1:].argmax(-1))
+        samples = {name: [] for name in runners}
+        for step in range(DECODE_STEPS):
+            positions = torch.tensor([[DECODE_PROMPT + step]])
+            for name, runner in runners.items():
+                cache, token = states[name]
+                start = time.perf_counter()
+                logits = runner(token, cache=cache, position_ids=positions, use_cache=True).logits
+                token = logits[:, -1:].argmax(-1)
+                samples[name].append(time.perf_counter() - start)
+                states[name] = (cache, token)
+    return samples
+
+
+def measure_times(models: dict, repeats: int, seconds: float, compile_models: bool) -> dict[str, dict[str, float]]:
+    """Median seconds per workload and model: interleaved runs of prefill and of the training step (at least
+    `repeats` each, more until `seconds` have passed: small shapes get many samples), and every decoded token
+    (`decode_samples`)."""
     vocab = next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
@@ -131,20 +152,25 @@ def measure_times(models: dict, repeats: int, compile_models: bool) -> dict[str,
         "decode": torch.randint(0, vocab, (1, DECODE_PROMPT), generator=generator),
         "train": torch.randint(0, vocab, (TRAIN_BATCH, TRAIN_TOKENS), generator=generator),
     }
-    workloads = {"prefill": prefill, "decode": decode, "train": train_step}
     results = {}
-    for workload, function in workloads.items():
-        runners = {}
-        for name, model in models.items():
+    for workload in ("prefill", "decode", "train"):
+        for model in models.values():
             model.train(workload == "train")
-            runners[name] = torch.compile(model, dynamic=workload == "decode") if compile_models else model
-        samples = {name: [] for name in models}
-        if compile_models:  # compilation happens on the first call, outside the timed samples
-            for name, runner in runners.items():
-                timed(function, runner, inputs[workload])
-        for _ in range(repeats):
-            for name, runner in runners.items():
-                samples[name].append(timed(function, runner, inputs[workload]))
+        runners = {name: torch.compile(model) if compile_models else model for name, model in models.items()}
+        if workload == "decode":
+            if compile_models:  # compiles the prompt's and the one-token graphs, outside the timed samples
+                decode_samples(runners, models, inputs["decode"], static_cache=True)
+            samples = decode_samples(runners, models, inputs["decode"], static_cache=compile_models)
+        else:
+            function = prefill if workload == "prefill" else train_step
+            if compile_models:  # compilation happens on the first call, outside the timed samples
+                for runner in runners.values():
+                    function(runner, inputs[workload])
+            samples = {name: [] for name in models}
+            start = time.perf_counter()
+            while min(map(len, samples.values())) < repeats or time.perf_counter() - start < seconds:
+                for name, runner in runners.items():
+                    samples[name].append(timed(function, runner, inputs[workload]))
         results[workload] = {name: statistics.median(values) for name, values in samples.items()}
     return results
 
@@ -216,7 +242,8 @@ def cpu_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
+    parser.add_argument("--seconds", type=float, default=30, help="keep running prefill / training step this long")
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
@@ -230,7 +257,7 @@ def main() -> None:
         models = build_models(shape)
         baseline = next(iter(models))
         for execution in ["eager"] + (["compile"] if args.compile else []):
-            times = measure_times(models, args.repeats, compile_models=execution == "compile")
+            times = measure_times(models, args.repeats, args.seconds, compile_models=execution == "compile")
             for name in models:
                 row = {"shape": shape, "mode": execution, "model": name}
                 for workload, medians in times.items():
@@ -261,7 +288,7 @@ def main() -> None:
         "python": platform.python_version(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "rows": rows}, indent=2))
+    args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "seconds": args.seconds, "rows": rows}, indent=2))
     print(f"\nwrote {args.output}")
 
 
