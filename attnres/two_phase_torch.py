@@ -11,10 +11,10 @@ tested against) and as the kernels, but built for the model's two costs on a CPU
 - per-op dispatch at decode (one token): under `no_grad` they skip `autograd.Function` (whose own overhead is
   several tensor ops' worth) and run the forward ops directly.
 
-Phase 1 for a block's S > 1 queries works on the blocks stacked token-major (`[*tokens, N, D]`, a temporary), so
+Phase 1 for a block's many queries works on the blocks stacked token-major (`[*tokens, N, D]`, a temporary), so
 mixing them for every query is one batched matmul over tokens rather than N passes of multiply-adds over S outputs;
-for a single query (Full AttnRes, the output step) it works block by block, as stacking would copy every block at
-every sublayer.
+for one or two queries (Full AttnRes, the output step, blocks of two sublayers) it works block by block, as
+stacking would copy every block for products too small to pay for it (`BLOCKWISE_MAX_QUERIES`).
 """
 
 from collections.abc import Sequence
@@ -78,51 +78,58 @@ class _Phase1(torch.autograd.Function):
         return grad_inv_rms, grad_queries, *grad_blocks
 
 
-class _Phase1OneQuery(torch.autograd.Function):
-    """Phase 1 for a single query (Full AttnRes, and the output step), on the blocks one by one: with one query,
-    stacking the N blocks would copy them all at every sublayer for no gain in the passes over memory."""
+class _Phase1Blockwise(torch.autograd.Function):
+    """Phase 1 for a few queries (Full AttnRes, the output step, small blocks) on the blocks one by one: N fused
+    multiply-adds over whole blocks. With few queries, stacking the blocks would copy them all for products over
+    tokens too small for a batched matmul to pay off."""
 
     @staticmethod
     def forward(ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, *blocks: torch.Tensor):
-        obar, lse, weights, raw = _one_query_forward(blocks, blocks_inv_rms, queries)
+        obar, lse, weights, raw = _blockwise_forward(blocks, blocks_inv_rms, queries)
         ctx.save_for_backward(blocks_inv_rms, queries, obar, weights, raw, *blocks)
         return obar, lse
 
     @staticmethod
     def backward(ctx, grad_obar: torch.Tensor, grad_lse: torch.Tensor):
-        """`_Phase1.backward` with S = 1, block by block."""
+        """`_Phase1.backward` block by block, with p and the scores `[N, S, *tokens]`."""
         blocks_inv_rms, queries, obar, weights, raw, *blocks = ctx.saved_tensors
-        go = grad_obar[0]
         values = [as_float32(block) for block in blocks]
-        delta = torch.linalg.vecdot(go, obar[0])
-        grad_weights = torch.stack([torch.linalg.vecdot(go, value) for value in values])  # [N, *tokens]
-        grad_logits = weights * (grad_weights - delta + grad_lse[0])
-        query_coef = grad_logits * blocks_inv_rms
+        query_rows = queries.view(queries.shape[0], *(1,) * (obar.dim() - 2), -1)  # [S, 1, ..., 1, D]
+        delta = torch.linalg.vecdot(grad_obar, obar)  # [S, *tokens]
+        grad_weights = torch.stack([torch.linalg.vecdot(grad_obar, value) for value in values])  # go_s . b_n
+        grad_logits = weights * (grad_weights - delta + grad_lse)
+        query_coef = grad_logits * blocks_inv_rms.unsqueeze(1)  # [N, S, *tokens]
         grad_blocks = [
-            torch.addcmul(p.unsqueeze(-1) * go, coef.unsqueeze(-1), queries[0]).to(block.dtype)
+            torch.addcmul(p.unsqueeze(-1) * grad_obar, coef.unsqueeze(-1), query_rows).sum(0).to(block.dtype)
             for p, coef, block in zip(weights, query_coef, blocks, strict=True)
         ]
-        hidden_size = queries.shape[-1]
-        grad_query = sum(
-            coef.reshape(-1) @ value.reshape(-1, hidden_size) for coef, value in zip(query_coef, values, strict=True)
+        num_queries, hidden_size = queries.shape
+        grad_queries = sum(
+            coef.reshape(num_queries, -1) @ value.reshape(-1, hidden_size)
+            for coef, value in zip(query_coef, values, strict=True)
         )
-        return grad_logits * raw, grad_query.unsqueeze(0), *grad_blocks
+        return (grad_logits * raw).sum(1), grad_queries, *grad_blocks
 
 
-def _one_query_forward(
+def _blockwise_forward(
     blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(obar [1, *tokens, D], lse [1, *tokens], weights [N, *tokens], raw [N, *tokens])` for one query."""
+    """`(obar [S, *tokens, D], lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens])`."""
     values = [as_float32(block) for block in blocks]
-    raw = torch.stack([torch.linalg.vecdot(value, queries[0]) for value in values])
-    weights, lse = _softmax_and_lse(raw * blocks_inv_rms, dim=0)
-    # N fused multiply-adds over whole blocks: with one query, a batched matmul over tokens would be tiny products.
+    raw = torch.stack([value @ queries.T for value in values]).movedim(-1, 1)
+    weights, lse = _softmax_and_lse(raw * blocks_inv_rms.unsqueeze(1), dim=0)
     terms = zip(weights.unsqueeze(-1).unbind(0), values, strict=True)  # unbind: one dispatch, not one per block
     weight, value = next(terms)
     obar = weight * value
     for weight, value in terms:
         obar.addcmul_(weight, value)
-    return obar.unsqueeze(0), lse.unsqueeze(0), weights, raw
+    return obar, lse, weights, raw
+
+
+# Up to this many queries, phase 1 goes block by block (`_Phase1Blockwise`); beyond, over the stacked blocks
+# (`_Phase1`), whose batched matmul reads each block once for all S outputs. Measured on a CPU at the benchmark
+# shapes: block by block is about twice as fast for S = 2, stacked about 1.6 times as fast for S = 8.
+BLOCKWISE_MAX_QUERIES = 2
 
 
 def phase1(
@@ -132,11 +139,11 @@ def phase1(
 
     Returns `obar` `[S, *tokens, D]` and `lse` `[S, *tokens]`, fp32.
     """
-    one_query = queries.shape[0] == 1
+    blockwise = queries.shape[0] <= BLOCKWISE_MAX_QUERIES
     if torch.is_grad_enabled() and any(x.requires_grad for x in (blocks_inv_rms, queries, *blocks)):
-        return (_Phase1OneQuery if one_query else _Phase1).apply(blocks_inv_rms, queries, *blocks)
-    if one_query:
-        return _one_query_forward(blocks, blocks_inv_rms, queries)[:2]
+        return (_Phase1Blockwise if blockwise else _Phase1).apply(blocks_inv_rms, queries, *blocks)
+    if blockwise:
+        return _blockwise_forward(blocks, blocks_inv_rms, queries)[:2]
     obar, lse, _, _ = _phase1_forward(_stacked_values(blocks), blocks_inv_rms, queries)
     return obar.movedim(-2, 0), lse.movedim(-1, 0)
 
@@ -148,7 +155,7 @@ def _phase2_rms_norm_forward(obar, lse, partial, query, eps, norm_weight, norm_e
     the same order, so the result is bit-identical to the model computing `h` and then normalising it.
     """
     values = as_float32(partial)
-    raw = torch.linalg.vecdot(values, query)
+    raw = values @ query
     inv_rms = inverse_rms(values, eps)
     gate = torch.sigmoid(raw * inv_rms - lse)
     hidden = as_float32(cast(torch.lerp(obar, values, gate.unsqueeze(-1)), partial.dtype))

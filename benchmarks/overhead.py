@@ -203,8 +203,8 @@ class TensorMemoryPeak(TorchDispatchMode):
 
 
 def train_memory_in_this_process(shape: str, name: str) -> dict[str, float]:
-    """MiB one training step adds on top of the built model: the peak resident memory, then (a second step) the peak
-    of its tensors. Linux's high-water mark (VmHWM) is reset to the current RSS right before the first step
+    """MiB one training step adds on top of the built model at its peak: its tensors' (`TensorMemoryPeak`) and the
+    resident memory's. Linux's high-water mark (VmHWM) is reset to the current RSS right before the step
     (`/proc/self/clear_refs`), so the transient peaks of building the model do not hide the step's own peak."""
 
     def status_kib(field: str) -> int:
@@ -214,10 +214,9 @@ def train_memory_in_this_process(shape: str, name: str) -> dict[str, float]:
     ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
     before = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    train_step(model, ids)
-    resident = (status_kib("VmHWM") - before) / 1024
     with TensorMemoryPeak() as tensors:
         train_step(model, ids)
+    resident = (status_kib("VmHWM") - before) / 1024
     return {"train_peak_mib": resident, "train_tensor_peak_mib": tensors.peak / 2**20}
 
 

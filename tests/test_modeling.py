@@ -234,6 +234,19 @@ def test_torch_two_phase_matches_reference(num_blocks, num_queries, tokens, dtyp
         assert_close_to_fp32(grad, ref_grad)
 
 
+@pytest.mark.parametrize("residual_mode", ["block", "full"])
+@pytest.mark.parametrize("training", [False, True])
+def test_forward_traces_into_one_graph(residual_mode, training):
+    """`torch.compile` sees the whole forward pass as one graph, without a graph break, in inference (where the depth
+    functions run their plain forward) and in training (where they are autograd Functions)."""
+    model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode)).train(training)
+    ids = input_batch(model.config)
+    with torch.inference_mode(not training):
+        explanation = torch._dynamo.explain(model)(ids, use_cache=False)
+    assert explanation.graph_break_count == 0, [str(graph_break.reason) for graph_break in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
 def test_depth_queries_are_read_through_hooked_or_wrapped_modules():
     """The model folds every step's query from the parameters directly when no call would run anything but
     `DepthQuery.forward`; a hooked (accelerate, torch) or replaced step is called instead. Both give the same queries."""
