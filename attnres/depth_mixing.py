@@ -165,8 +165,8 @@ class DepthQuery(nn.Module):
         return query if self.key_norm_weight is None else query * as_float32(self.key_norm_weight)
 
     def runs_only_forward(self) -> bool:
-        """Whether calling this module runs nothing but `forward`: it is not a PEFT wrapper's copy holder, and no
-        hook is attached (torch's, or accelerate's, which replaces `forward` on the instance)."""
+        """Whether calling this module runs nothing but `DepthQuery.forward`: not a subclass's, and no hook attached
+        (torch's, global or the module's, or accelerate's, which replaces `forward` on the instance)."""
         module_hooks = self._forward_hooks or self._forward_pre_hooks
         global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
         return type(self) is DepthQuery and "forward" not in vars(self) and not module_hooks and not global_hooks
