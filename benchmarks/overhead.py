@@ -18,7 +18,7 @@ Workloads (fp32):
   that off: RSS then follows the tensors).
 
 Usage:
-    python -m benchmarks.overhead                  # eager, all shapes, ~10 minutes on 2 cores
+    python -m benchmarks.overhead                  # eager, all shapes, ~12 minutes on 2 cores
     python -m benchmarks.overhead --compile --shapes small --no-memory \
         --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
                                                    # (up to a few minutes per model and workload on 2 cores)
