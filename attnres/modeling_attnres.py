@@ -52,8 +52,9 @@ from .depth_mixing import (
 class AttnResRMSNorm(LlamaRMSNorm):
     """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm.
 
-    On the Triton path a depth-attention step hands over its last phase unfinished (a `PendingMerge`), and the norm
-    computes it fused with its own normalisation, so the sublayer input never goes through memory.
+    A depth-attention step hands over its last phase unfinished (a `PendingMerge`, on the Triton and the PyTorch path
+    alike), and the norm computes it fused with its own normalisation, so the sublayer input never goes through
+    memory.
     """
 
     def forward(self, hidden_states: torch.Tensor | PendingMerge) -> torch.Tensor:
