@@ -29,6 +29,7 @@ decoder layers, so reentrant activation checkpointing sees every tensor:
 - DenseFormer, Hyper-Connections and mHC (SPEC §7, for comparison): see `residual_variants.py`.
 """
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from transformers import initialization as init
 
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
 from .two_phase import as_float32, cast, inverse_rms, phase2
+from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import phase1 as torch_phase1
 from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
 
@@ -80,9 +82,9 @@ def initial_depth_state(
     blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
     obar = lse = None
     if queries is not None:
-        phase1, _ = two_phase_ops(inputs_embeds.device, config.depth_kernel)
         first_block = slice(0, min(config.depth_block_size, config.num_sublayers))
-        obar, lse = phase1((inputs_embeds,), blocks_inv_rms, queries[first_block])
+        kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel)
+        obar, lse = kernels.phase1((inputs_embeds,), blocks_inv_rms, queries[first_block])
     return queries, materialize, blocks_inv_rms, obar, lse, None, inputs_embeds
 
 
@@ -96,29 +98,68 @@ def _stacked_phase1(kernel: Callable) -> Callable:
     return phase1
 
 
-def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> tuple[Callable, Callable]:
-    """The `(phase1, phase2_rms_norm)` implementations that compute depth attention for tensors on `device`.
+class DepthKernels(NamedTuple):
+    """The implementations of the two-phase form's operations: `two_phase_torch`'s functions and signatures."""
 
-    The Triton kernels (`attnres.kernels`) on CUDA when Triton is importable and neither `depth_kernel` (the config
-    field) nor the environment variable `ATTNRES_DEPTH_KERNEL` says `"reference"`; PyTorch ops with hand-written
-    backward (`two_phase_torch`, same numerics) otherwise. `ATTNRES_DEPTH_KERNEL=triton` demands the kernels on any
-    device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and fails if they cannot be
-    imported. The import is absolute and inside `try` because this file is copied flat into remote-code checkpoints,
-    which must load where neither `attnres` nor Triton is installed.
+    phase1: Callable
+    phase2_rms_norm: Callable
+    append_inverse_rms: Callable
+
+
+TORCH_KERNELS = DepthKernels(torch_phase1, torch_phase2_rms_norm, torch_append_inverse_rms)
+
+
+def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKernels:
+    """The implementations that compute depth attention for tensors on `device`.
+
+    Under `"auto"` (the config field `depth_kernel` and the environment variable `ATTNRES_DEPTH_KERNEL`): the Triton
+    kernels (`attnres.kernels`) on CUDA when Triton is importable; on the CPU, the fused C++ kernels
+    (`attnres.kernels.cpu`) when they build; elsewhere, and under `"reference"` in either place, `two_phase_torch`
+    (PyTorch ops with hand-written backward, same numerics). `ATTNRES_DEPTH_KERNEL=triton` demands the Triton kernels
+    on any device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and
+    `ATTNRES_DEPTH_KERNEL=cpu` the C++ ones for CPU tensors; either fails if its kernels cannot be loaded.
+
+    Every depth-attention step asks (2L + 1 times per forward pass), so the choice is made once per combination
+    (`_remembered_kernels`): when decoding one token on a CPU, re-importing and re-checking cost more than phase 2.
+    Inside `torch.compile` the choice is traced instead (dynamo does not trace into the cache), and the CPU's is the
+    PyTorch path, whose plain operations inductor fuses itself.
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
-    if override not in ("auto", "reference", "triton"):
-        raise ValueError(f"ATTNRES_DEPTH_KERNEL must be 'auto', 'reference' or 'triton', got {override!r}")
-    if depth_kernel == "reference" or override == "reference" or (override == "auto" and device.type != "cuda"):
-        return torch_phase1, torch_phase2_rms_norm
+    if override not in ("auto", "reference", "triton", "cpu"):
+        raise ValueError(f"ATTNRES_DEPTH_KERNEL must be 'auto', 'reference', 'triton' or 'cpu', got {override!r}")
+    if torch.compiler.is_compiling():
+        return _select_kernels(device.type, depth_kernel, override, compiling=True)
+    return _remembered_kernels(device.type, depth_kernel, override)
+
+
+def _select_kernels(device_type: str, depth_kernel: str, override: str, compiling: bool = False) -> DepthKernels:
+    """`two_phase_ops`'s choice. The imports are absolute and inside `try` because this file is copied flat into
+    remote-code checkpoints, which must load where neither `attnres` nor Triton is installed."""
+    if depth_kernel == "reference" or override == "reference":
+        return TORCH_KERNELS
+    if device_type == "cpu" and override in ("auto", "cpu") and not compiling:
+        try:
+            from attnres.kernels import cpu
+        except ImportError:
+            cpu = None
+        if cpu is not None and cpu.extension() is not None:
+            return DepthKernels(cpu.phase1, cpu.phase2_rms_norm, cpu.append_inverse_rms)
+        if override == "cpu":
+            raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
+        return TORCH_KERNELS
+    if override == "auto" and device_type != "cuda":
+        return TORCH_KERNELS
     try:
         from attnres.kernels import phase1 as kernel_phase1
         from attnres.kernels import phase2_rms_norm as kernel_phase2_rms_norm
     except ImportError:
         if override == "triton":
             raise
-        return torch_phase1, torch_phase2_rms_norm
-    return _stacked_phase1(kernel_phase1), kernel_phase2_rms_norm
+        return TORCH_KERNELS
+    return DepthKernels(_stacked_phase1(kernel_phase1), kernel_phase2_rms_norm, torch_append_inverse_rms)
+
+
+_remembered_kernels = functools.cache(_select_kernels)
 
 
 class PendingMerge(NamedTuple):
@@ -254,8 +295,8 @@ class DepthAttention(nn.Module):
     ) -> torch.Tensor | PendingMerge:
         if queries is None:  # queries not gathered (sharded parameters): this step's own phase 1
             query = self.query()
-            phase1, _ = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
-            obar, lse = phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
+            kernels = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
+            obar, lse = kernels.phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
             offset = 0
         else:
             query, offset = queries[self.position - 1], self.block_offset
@@ -264,8 +305,7 @@ class DepthAttention(nn.Module):
         args = (obar[offset], lse[offset], partial, query, self.eps)
         if materialize:
             return phase2(*args)
-        _, phase2_rms_norm = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
-        return PendingMerge(phase2_rms_norm, *args)
+        return PendingMerge(two_phase_ops(blocks_inv_rms.device, self.depth_kernel).phase2_rms_norm, *args)
 
     def absorb(
         self,
@@ -282,10 +322,10 @@ class DepthAttention(nn.Module):
         if not self.closes_block:
             return queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks
         blocks = (*blocks, partial)
-        blocks_inv_rms = torch.cat([blocks_inv_rms, inverse_rms(partial, self.eps).unsqueeze(0)])
+        kernels = two_phase_ops(partial.device, self.depth_kernel)
+        blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps)
         if queries is not None:
-            phase1, _ = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
-            obar, lse = phase1(blocks, blocks_inv_rms, queries[self.next_block])
+            obar, lse = kernels.phase1(blocks, blocks_inv_rms, queries[self.next_block])
         return queries, materialize, blocks_inv_rms, obar, lse, None, *blocks
 
     def sources(

@@ -49,6 +49,14 @@ from .depth_mixing import (
 )
 
 
+def submodule(module: nn.Module, name: str) -> nn.Module:
+    """`getattr(module, name)` for a child module, read from `_modules` where it is registered: `nn.Module.__getattr__`
+    costs microseconds per read, and the model reads every depth step's query on each forward pass. Wrappers that
+    forward attributes to the module they wrap (PEFT's `modules_to_save`) are read through `getattr`."""
+    child = module._modules.get(name)
+    return child if child is not None else getattr(module, name)
+
+
 class AttnResRMSNorm(LlamaRMSNorm):
     """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm.
 
@@ -310,8 +318,8 @@ class AttnResModel(AttnResPreTrainedModel):
         """
         if self.config.residual_mode not in ("full", "block") or self.config.depth_ablation is not None:
             return None
-        steps = [step.query for layer in self.layers for step in (layer.attn_residual, layer.mlp_residual)]
-        steps.append(self.output_residual.query)
+        residuals = [submodule(layer, name) for layer in self.layers for name in ("attn_residual", "mlp_residual")]
+        steps = [submodule(residual, "query") for residual in (*residuals, self.output_residual)]
         return fold_queries(steps, self.config.hidden_size)
 
     @torch.no_grad()

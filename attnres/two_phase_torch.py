@@ -143,10 +143,19 @@ def phase1(
     blockwise = queries.shape[0] <= BLOCKWISE_MAX_QUERIES
     if torch.is_grad_enabled() and any(x.requires_grad for x in (blocks_inv_rms, queries, *blocks)):
         return (_Phase1Blockwise if blockwise else _Phase1).apply(blocks_inv_rms, queries, *blocks)
-    if blockwise:
+    # Inside torch.compile the stacked form serves inference for any number of queries: inductor writes the stack
+    # straight into the matmul's input, and its graph is smaller (measured on a CPU, small shape, blocks of 2: 1.01x
+    # Llama's prefill and decode, against 1.05x and 1.12x block by block). Training keeps the blockwise backward.
+    if blockwise and not torch.compiler.is_compiling():
         return _blockwise_forward(blocks, blocks_inv_rms, queries)[:2]
     obar, lse, _, _ = _phase1_forward(_stacked_values(blocks), blocks_inv_rms, queries)
     return obar.movedim(-2, 0), lse.movedim(-1, 0)
+
+
+def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
+    """`blocks_inv_rms` `[N, *tokens]` with the inverse RMS of the newly completed `block` appended (its keys are
+    normalised once, here, and reused by every later query): `[N + 1, *tokens]`."""
+    return torch.cat([blocks_inv_rms, inverse_rms(block, eps).unsqueeze(0)])
 
 
 def _phase2_rms_norm_forward(obar, lse, partial, query, eps, norm_weight, norm_eps):

@@ -18,7 +18,7 @@ Workloads (fp32):
   that off: RSS then follows the tensors).
 
 Usage:
-    python -m benchmarks.overhead                  # eager, all shapes, ~12 minutes on 2 cores
+    python -m benchmarks.overhead                  # eager, all shapes, ~10 minutes on 2 cores
     python -m benchmarks.overhead --compile --shapes small --no-memory \
         --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
                                                    # (up to a few minutes per model and workload on 2 cores)
@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, StaticCache
 
 from attnres import AttnResConfig, AttnResForCausalLM
+from attnres.depth_mixing import two_phase_ops
 
 
 SHAPES = {
@@ -247,12 +248,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
-    parser.add_argument("--seconds", type=float, default=30, help="keep running prefill / training step this long")
+    parser.add_argument("--seconds", type=float, default=20, help="keep running prefill / training step this long")
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
+    # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), not
+    # inside the first timed sample.
+    depth_kernels = two_phase_ops(torch.device("cpu")).phase1.__module__
 
     rows = []
     for shape in args.shapes:
@@ -290,6 +294,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "depth_kernels": depth_kernels,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "seconds": args.seconds, "rows": rows}, indent=2))

@@ -7,13 +7,7 @@ module collects one test, `test_kernels_under_interpreter`, which runs the file 
 started with `TRITON_INTERPRET=1`; in that child (or in any session started with `TRITON_INTERPRET=1`) it collects
 the cases in `TestKernels` instead.
 
-Tolerances: the expected values are the reference evaluated in fp32 on the same input values (bf16 and fp16 inputs
-convert to fp32 exactly). fp32 results agree to 1e-5 of the tensor's largest magnitude: the kernels and torch only sum
-in different orders, and sums such as a query gradient over every token cancel, so the error scales with the terms,
-not the result. Results stored in bf16 / fp16 are such an fp32 value rounded once, which moves it by at most half a
-unit in the last place, so those get `rtol = finfo(dtype).eps` (one unit) on top. The reference run in bf16 itself is
-not the yardstick: it rounds more often (the partial sum's gradient reaches it along two paths, each cast to bf16
-before they are added).
+Tolerances: see `kernel_cases.py`, shared with the fused CPU kernels' tests.
 """
 
 import json
@@ -29,61 +23,29 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from attnres import AttnResForCausalLM
-from attnres import two_phase_torch
-from attnres.depth_mixing import depth_mixer, two_phase_ops
-from attnres.kernels import common, phase1, phase2_rms_norm
+from attnres.depth_mixing import TORCH_KERNELS, DepthKernels, _remembered_kernels, depth_mixer, two_phase_ops
+from attnres.kernels import common, cpu, phase1, phase2_rms_norm
 from attnres.kernels import phase2 as phase2_module
 from attnres.two_phase import inverse_rms
 from attnres.two_phase import phase1 as reference_phase1
 from attnres.two_phase import phase2_rms_norm as reference_phase2_rms_norm
 
 from conftest import randomize_depth_parameters, tiny_config
+from kernel_cases import (
+    DTYPES,
+    EPS,
+    FP32_TOL,
+    NORM_EPS,
+    PHASE1_SHAPES,
+    assert_matches,
+    fused_phase2,
+    phase1_inputs,
+    phase2_inputs,
+    run_with_grads,
+)
 
 
 INTERPRETED = isinstance(tl.sum, InterpretedFunction)
-FP32_TOL = 1e-5
-EPS = 1e-6
-NORM_EPS = 1e-5
-
-# (num_blocks N, num_queries Q, token layout, hidden D). Hidden sizes are not powers of two, so every load is masked;
-# N=1 is the first block (the embedding alone), (1,) and () are one token (decode, and no token axes at all),
-# N=5 x Q=6 makes the hidden size span two chunks in phase 1, D=1100 spans two chunks in phase 2.
-PHASE1_SHAPES = [(3, 2, (2, 3), 48), (1, 1, (1,), 100), (4, 3, (), 20), (5, 6, (1, 3), 100), (2, 1, (3,), 1100)]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """`actual` is `expected` (fp32) up to summation order, plus one rounding if stored in bf16 / fp16 (docstring)."""
-    assert actual.shape == expected.shape
-    rtol = FP32_TOL if actual.dtype == torch.float32 else torch.finfo(actual.dtype).eps
-    atol = FP32_TOL * max(1.0, expected.float().abs().max().item())
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
-
-
-def run_with_grads(fn, inputs: tuple[torch.Tensor, ...], grad_outputs: tuple[torch.Tensor, ...], *args):
-    """`fn(*inputs, *args)` and the gradients of `sum(output * grad_output)` w.r.t. every input."""
-    leaves = tuple(x.detach().requires_grad_() for x in inputs)
-    outputs = fn(*leaves, *args)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    torch.autograd.backward(outputs, grad_outputs)
-    return outputs, tuple(x.grad for x in leaves)
-
-
-def phase1_inputs(num_blocks: int, num_queries: int, tokens: tuple[int, ...], hidden: int, dtype: torch.dtype):
-    blocks = (3 * torch.randn(num_blocks, *tokens, hidden)).to(dtype)
-    return blocks, inverse_rms(blocks, EPS), torch.randn(num_queries, hidden)
-
-
-def phase2_inputs(tokens: tuple[int, ...], hidden: int, dtype: torch.dtype):
-    """`(obar, lse, partial, query, norm_weight)`: phase 2's inputs and the gain of the pre-norm it is fused with."""
-    obar, lse = torch.randn(*tokens, hidden), 2 * torch.randn(tokens)
-    norm_weight = (1 + 0.5 * torch.randn(hidden)).to(dtype)
-    return obar, lse, (3 * torch.randn(*tokens, hidden)).to(dtype), torch.randn(hidden), norm_weight
-
-
-def fused_phase2(op):
-    """`op` (`phase2_rms_norm`) with the gain among the differentiated inputs and the scalars fixed."""
-    return lambda obar, lse, partial, query, norm_weight: op(obar, lse, partial, query, EPS, norm_weight, NORM_EPS)
 
 
 class TestKernels:
@@ -176,9 +138,8 @@ class TestKernels:
             logits.square().mean().backward()
             return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
-        assert uses_kernels(two_phase_ops(torch.device("cpu"), "auto")) is False
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
-        assert uses_kernels(two_phase_ops(torch.device("cpu"), "auto")) is True
+        assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "triton"
 
         logits, grads = logits_and_grads("triton")
         ref_logits, ref_grads = logits_and_grads("reference")
@@ -225,46 +186,72 @@ def test_kernels_under_interpreter():
 test_kernels_under_interpreter.__test__ = not INTERPRETED
 
 
-def uses_kernels(ops: tuple) -> bool:
-    """Whether `two_phase_ops` chose the Triton kernels (True) or the PyTorch implementation (False)."""
-    if ops[1] is phase2_rms_norm:
-        return True
-    assert ops == (two_phase_torch.phase1, two_phase_torch.phase2_rms_norm)
-    return False
+def kernel_kind(kernels: DepthKernels) -> str:
+    """Which implementations `two_phase_ops` chose: `"triton"`, `"cpu"` (the fused C++ kernels) or `"torch"`."""
+    if kernels.phase2_rms_norm is phase2_rms_norm:
+        return "triton"
+    if kernels.phase2_rms_norm is cpu.phase2_rms_norm:
+        assert kernels == (cpu.phase1, cpu.phase2_rms_norm, cpu.append_inverse_rms)
+        return "cpu"
+    assert kernels == TORCH_KERNELS
+    return "torch"
 
 
 @pytest.mark.parametrize(
-    "device, config_kernel, env, kernels",
+    "device, config_kernel, env, kind",
     [
-        ("cpu", "auto", None, False),
-        ("cuda", "auto", None, True),
-        ("cuda", "reference", None, False),
-        ("cuda", "auto", "reference", False),
-        ("cpu", "auto", "triton", True),
-        ("cpu", "reference", "triton", False),
+        ("cpu", "auto", None, "cpu"),
+        ("cpu", "auto", "cpu", "cpu"),
+        ("cpu", "reference", None, "torch"),
+        ("cpu", "auto", "reference", "torch"),
+        ("cuda", "auto", None, "triton"),
+        ("cuda", "reference", None, "torch"),
+        ("cuda", "auto", "reference", "torch"),
+        ("cpu", "auto", "triton", "triton"),
+        ("cpu", "reference", "triton", "torch"),
+        ("meta", "auto", None, "torch"),
     ],
 )
-def test_two_phase_ops_dispatch(device, config_kernel, env, kernels, monkeypatch):
-    """Kernels on CUDA under `"auto"`, the PyTorch implementation otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only
-    chooses: runs nothing, so a CUDA device object is enough."""
+def test_two_phase_ops_dispatch(device, config_kernel, env, kind, monkeypatch):
+    """Triton kernels on CUDA and the fused C++ kernels on the CPU under `"auto"`, the PyTorch implementation
+    otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs nothing, so a CUDA device object is enough."""
     if env is None:
         monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     else:
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
-    assert uses_kernels(two_phase_ops(torch.device(device), config_kernel)) is kernels
+    assert kernel_kind(two_phase_ops(torch.device(device), config_kernel)) == kind
 
 
-def test_two_phase_ops_without_triton_fall_back_unless_demanded(monkeypatch):
+@pytest.fixture
+def fresh_kernel_choice():
+    """`two_phase_ops` remembers its choices; tests that change what can be imported or built choose afresh."""
+    _remembered_kernels.cache_clear()
+    yield
+    _remembered_kernels.cache_clear()
+
+
+def test_two_phase_ops_without_triton_fall_back_unless_demanded(monkeypatch, fresh_kernel_choice):
     """Where `attnres.kernels` cannot be imported (remote code without the package, or no Triton)."""
     monkeypatch.setitem(sys.modules, "attnres.kernels", None)
     monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
-    assert uses_kernels(two_phase_ops(torch.device("cuda"), "auto")) is False
+    assert kernel_kind(two_phase_ops(torch.device("cuda"), "auto")) == "torch"
+    assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "torch"
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
     with pytest.raises(ImportError):
         two_phase_ops(torch.device("cuda"), "auto")
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "fast")
     with pytest.raises(ValueError, match="ATTNRES_DEPTH_KERNEL"):
         two_phase_ops(torch.device("cuda"), "auto")
+
+
+def test_two_phase_ops_without_cpu_kernels_fall_back_unless_demanded(monkeypatch, fresh_kernel_choice):
+    """Where the C++ kernels cannot be built (no compiler or ninja): `cpu.extension()` is `None`."""
+    monkeypatch.setattr(cpu, "extension", lambda: None)
+    monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
+    assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "torch"
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "cpu")
+    with pytest.raises(RuntimeError, match="ATTNRES_DEPTH_KERNEL=cpu"):
+        two_phase_ops(torch.device("cpu"), "auto")
 
 
 def test_depth_kernel_config_reaches_the_module():

@@ -1,0 +1,419 @@
+// Block AttnRes's two phases (SPEC §6) as fused CPU loops, forward and backward: what `attnres.two_phase_torch`
+// computes with a dozen or more tensor operations per phase and pass, in one pass over each token's rows.
+//
+// On a CPU, depth attention's cost is not arithmetic but per-operation overhead and memory passes: decoding one
+// token, every PyTorch operation costs microseconds of dispatch whatever its size (and phase 2 runs 2L times per
+// token); in training, phase 1's backward pass as tensor operations sweeps every block several times. Here each
+// phase and pass is one call, and each token's rows are read while they sit in cache, on ATen's thread pool. The
+// layouts and saved values are `two_phase_torch`'s, so `attnres.kernels.cpu` plugs these in behind its API.
+//
+// Numerics are the Triton kernels' (`phase1.py`, `phase2.py`): everything in fp32 whatever the input dtype, each
+// output rounded once to its dtype (with bf16 / fp16 inputs the unfused model also rounds the merged `h` and the
+// normalised `h`, as Llama's RMSNorm does). Sums run in a different order than torch's, so results agree with the
+// reference (`attnres.two_phase`) to fp32 rounding, not bit for bit.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Independent partial sums in `dot`: a single accumulator is a serial dependency chain the compiler may not reorder
+// (float addition is not associative), so it would not vectorise the loop.
+constexpr int64_t kLanes = 16;
+// Tokens per task on ATen's thread pool: one token of decode or a short prompt stays on the calling thread.
+constexpr int64_t kGrainTokens = 16;
+
+float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
+  }
+  float total = 0.f;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+// One row of `n` values as fp32: the row itself when it is fp32, else converted into `scratch`.
+template <typename scalar_t>
+const float* fp32_row(const scalar_t* row, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(row[i]);
+    return scratch;
+  }
+}
+
+// Phase 2's merge `h = obar + gate (P - obar)` of one token, with torch.lerp's formula (exact at both ends).
+void merge(const float* obar, const float* partial, float gate, int64_t n, float* h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float delta = partial[i] - obar[i];
+    h[i] = gate < 0.5f ? obar[i] + gate * delta : partial[i] - delta * (1.f - gate);
+  }
+}
+
+void check_fp32(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32, got ", x.scalar_type());
+}
+
+// `blocks_inv_rms` `[N, *tokens]` with the inverse RMS of the newly completed `block` `[*tokens, D]` appended:
+// `torch.cat([blocks_inv_rms, two_phase.inverse_rms(block, eps).unsqueeze(0)])`.
+at::Tensor append_inverse_rms(const at::Tensor& blocks_inv_rms, const at::Tensor& block, double eps) {
+  check_fp32(blocks_inv_rms, "blocks_inv_rms");
+  const int64_t hidden = block.size(-1);
+  const int64_t tokens = block.numel() / hidden;
+  TORCH_CHECK(blocks_inv_rms.numel() % std::max<int64_t>(tokens, 1) == 0, "blocks_inv_rms must be [N, *tokens]");
+  auto sizes = blocks_inv_rms.sizes().vec();
+  sizes[0] += 1;
+  auto result = at::empty(sizes, blocks_inv_rms.options());
+  const int64_t existing = blocks_inv_rms.numel();
+  const auto old_c = blocks_inv_rms.contiguous(), block_c = block.contiguous();
+  std::copy_n(old_c.data_ptr<float>(), existing, result.data_ptr<float>());
+  float* new_row = result.data_ptr<float>() + existing;
+  const float eps_f = static_cast<float>(eps), inv_hidden = 1.f / static_cast<float>(hidden);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, block.scalar_type(), "append_inverse_rms", [&] {
+    const scalar_t* block_p = block_c.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(hidden);
+      for (int64_t t = begin; t < end; ++t) {
+        const float* v = fp32_row(block_p + t * hidden, hidden, scratch.data());
+        new_row[t] = 1.f / std::sqrt(dot(v, v, hidden) * inv_hidden + eps_f);
+      }
+    });
+  });
+  return result;
+}
+
+// `two_phase.phase2_rms_norm` and the per-token scalars its backward pass reuses: `(out, stats)`, with `stats`
+// `[4, *tokens]` fp32 holding (gate, raw, inv_rms, norm_inv_rms).
+std::vector<at::Tensor> phase2_rms_norm(
+    const at::Tensor& obar,
+    const at::Tensor& lse,
+    const at::Tensor& partial,
+    const at::Tensor& query,
+    double eps,
+    const at::Tensor& norm_weight,
+    double norm_eps) {
+  check_fp32(obar, "obar");
+  check_fp32(lse, "lse");
+  check_fp32(query, "query");
+  TORCH_CHECK(norm_weight.scalar_type() == partial.scalar_type(), "norm_weight must have the partial's dtype");
+  const int64_t hidden = partial.size(-1);
+  const int64_t tokens = partial.numel() / hidden;
+  TORCH_CHECK(obar.numel() == tokens * hidden && lse.numel() == tokens, "obar / lse do not match the partial");
+  TORCH_CHECK(query.numel() == hidden && norm_weight.numel() == hidden, "query / norm_weight must be [hidden]");
+
+  const auto obar_c = obar.contiguous(), lse_c = lse.contiguous(), partial_c = partial.contiguous();
+  const auto query_c = query.contiguous(), weight_c = norm_weight.contiguous();
+  auto out = at::empty_like(partial_c);
+  const auto token_shape = partial.sizes().slice(0, partial.dim() - 1);
+  std::vector<int64_t> stats_shape{4};
+  stats_shape.insert(stats_shape.end(), token_shape.begin(), token_shape.end());
+  auto stats = at::empty(stats_shape, partial.options().dtype(at::kFloat));
+  const float eps_f = static_cast<float>(eps), norm_eps_f = static_cast<float>(norm_eps);
+  const float inv_hidden = 1.f / static_cast<float>(hidden);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_rms_norm", [&] {
+    const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
+    const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
+    scalar_t* out_p = out.data_ptr<scalar_t>();
+    const float* obar_p = obar_c.data_ptr<float>();
+    const float* lse_p = lse_c.data_ptr<float>();
+    const float* query_p = query_c.data_ptr<float>();
+    float* gate_p = stats.data_ptr<float>();
+    float* raw_p = gate_p + tokens;
+    float* inv_rms_p = raw_p + tokens;
+    float* norm_inv_rms_p = inv_rms_p + tokens;
+    at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(hidden), hidden_row(hidden), weight(hidden);
+      const float* w = fp32_row(weight_p, hidden, weight.data());
+      float* h = hidden_row.data();
+      for (int64_t t = begin; t < end; ++t) {
+        const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
+        const float* o = obar_p + t * hidden;
+        const float raw = dot(v, query_p, hidden);
+        const float inv_rms = 1.f / std::sqrt(dot(v, v, hidden) * inv_hidden + eps_f);
+        const float gate = 1.f / (1.f + std::exp(lse_p[t] - raw * inv_rms));
+        merge(o, v, gate, hidden, h);
+        const float norm_inv_rms = 1.f / std::sqrt(dot(h, h, hidden) * inv_hidden + norm_eps_f);
+        scalar_t* y = out_p + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) y[i] = static_cast<scalar_t>(w[i] * (h[i] * norm_inv_rms));
+        gate_p[t] = gate;
+        raw_p[t] = raw;
+        inv_rms_p[t] = inv_rms;
+        norm_inv_rms_p[t] = norm_inv_rms;
+      }
+    });
+  });
+  return {out, stats};
+}
+
+// `two_phase.phase1` over the completed blocks given separately, with the softmax weights and raw scores its
+// backward pass reuses: `(obar [S, *tokens, D], lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens])`.
+std::vector<at::Tensor> phase1(
+    const std::vector<at::Tensor>& blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries) {
+  TORCH_CHECK(!blocks.empty(), "phase 1 needs at least one block");
+  check_fp32(blocks_inv_rms, "blocks_inv_rms");
+  check_fp32(queries, "queries");
+  const auto& first = blocks.front();
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
+  const int64_t num_queries = queries.size(0);
+  const int64_t hidden = first.size(-1);
+  const int64_t tokens = first.numel() / hidden;
+  TORCH_CHECK(queries.dim() == 2 && queries.size(1) == hidden, "queries must be [S, hidden]");
+  TORCH_CHECK(blocks_inv_rms.numel() == num_blocks * tokens, "blocks_inv_rms must be [N, *tokens]");
+  std::vector<at::Tensor> blocks_c;
+  for (const auto& block : blocks) {
+    TORCH_CHECK(block.sizes() == first.sizes() && block.scalar_type() == first.scalar_type(), "blocks must match");
+    blocks_c.push_back(block.contiguous());
+  }
+  const auto inv_rms_c = blocks_inv_rms.contiguous(), queries_c = queries.contiguous();
+  const auto token_shape = first.sizes().slice(0, first.dim() - 1);
+  std::vector<int64_t> lse_shape{num_queries}, score_shape{num_blocks, num_queries};
+  lse_shape.insert(lse_shape.end(), token_shape.begin(), token_shape.end());
+  score_shape.insert(score_shape.end(), token_shape.begin(), token_shape.end());
+  auto obar_shape = lse_shape;
+  obar_shape.push_back(hidden);
+  const auto fp32 = first.options().dtype(at::kFloat);
+  auto obar = at::empty(obar_shape, fp32);
+  auto lse = at::empty(lse_shape, fp32);
+  auto weights = at::empty(score_shape, fp32);
+  auto raw = at::empty(score_shape, fp32);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, first.scalar_type(), "phase1", [&] {
+    std::vector<const scalar_t*> block_p;
+    for (const auto& block : blocks_c) block_p.push_back(block.data_ptr<scalar_t>());
+    const float* inv_rms_p = inv_rms_c.data_ptr<float>();
+    const float* queries_p = queries_c.data_ptr<float>();
+    float* obar_p = obar.data_ptr<float>();
+    float* lse_p = lse.data_ptr<float>();
+    float* weights_p = weights.data_ptr<float>();
+    float* raw_p = raw.data_ptr<float>();
+    at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(num_blocks * hidden), logits(num_blocks * num_queries);
+      std::vector<const float*> rows(num_blocks);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t n = 0; n < num_blocks; ++n) {
+          rows[n] = fp32_row(block_p[n] + t * hidden, hidden, scratch.data() + n * hidden);
+          for (int64_t s = 0; s < num_queries; ++s) {
+            const float score = dot(rows[n], queries_p + s * hidden, hidden);
+            raw_p[(n * num_queries + s) * tokens + t] = score;
+            logits[n * num_queries + s] = score * inv_rms_p[n * tokens + t];
+          }
+        }
+        for (int64_t s = 0; s < num_queries; ++s) {
+          float peak = -INFINITY;
+          for (int64_t n = 0; n < num_blocks; ++n) peak = std::max(peak, logits[n * num_queries + s]);
+          float total = 0.f;
+          for (int64_t n = 0; n < num_blocks; ++n) {
+            float& logit = logits[n * num_queries + s];
+            logit = std::exp(logit - peak);
+            total += logit;
+          }
+          lse_p[s * tokens + t] = peak + std::log(total);
+          float* o = obar_p + (s * tokens + t) * hidden;
+          for (int64_t n = 0; n < num_blocks; ++n) {
+            const float weight = logits[n * num_queries + s] / total;
+            weights_p[(n * num_queries + s) * tokens + t] = weight;
+            const float* v = rows[n];
+            if (n == 0) {
+              for (int64_t i = 0; i < hidden; ++i) o[i] = weight * v[i];
+            } else {
+              for (int64_t i = 0; i < hidden; ++i) o[i] += weight * v[i];
+            }
+          }
+        }
+      }
+    });
+  });
+  return {obar, lse, weights, raw};
+}
+
+// Splits `tokens` into a fixed number of chunks (at most one per thread) so that sums over tokens are accumulated
+// per chunk and added in chunk order: the result does not depend on how the threads were scheduled.
+int64_t num_chunks(int64_t tokens) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (tokens + kGrainTokens - 1) / kGrainTokens));
+}
+
+// Runs `body(chunk, begin, end)` over the chunks of `tokens` on ATen's thread pool.
+template <typename Body>
+void for_each_chunk(int64_t tokens, int64_t chunks, const Body& body) {
+  const int64_t per_chunk = (tokens + chunks - 1) / chunks;
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) body(c, c * per_chunk, std::min(tokens, (c + 1) * per_chunk));
+  });
+}
+
+// The backward pass of `phase1`, as `two_phase_torch._Phase1.backward` derives it. Per token, with p the weights,
+// r the blocks' inverse RMS and `delta_s = go_s . obar_s`: `ds = p (go . b - delta + gl)`,
+// `d b_n = sum_s p_ns go_s + ds_ns r_n w_s`, `d r_n = sum_s ds_ns raw_ns`, `d w_s = sum_{tokens, n} ds_ns r_n b_n`.
+// Returns `(grad_inv_rms [N, *tokens], grad_queries [S, D], grad_blocks...)`, each block's gradient in its dtype.
+std::vector<at::Tensor> phase1_backward(
+    const at::Tensor& grad_obar,
+    const at::Tensor& grad_lse,
+    const std::vector<at::Tensor>& blocks,
+    const at::Tensor& blocks_inv_rms,
+    const at::Tensor& queries,
+    const at::Tensor& obar,
+    const at::Tensor& weights,
+    const at::Tensor& raw) {
+  const auto& first = blocks.front();
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
+  const int64_t num_queries = queries.size(0);
+  const int64_t hidden = first.size(-1);
+  const int64_t tokens = first.numel() / hidden;
+  const auto go_c = grad_obar.to(at::kFloat).contiguous(), gl_c = grad_lse.to(at::kFloat).contiguous();
+  const auto inv_rms_c = blocks_inv_rms.contiguous(), queries_c = queries.contiguous(), obar_c = obar.contiguous();
+  const auto weights_c = weights.contiguous(), raw_c = raw.contiguous();
+  std::vector<at::Tensor> blocks_c, grad_blocks;
+  for (const auto& block : blocks) {
+    blocks_c.push_back(block.contiguous());
+    grad_blocks.push_back(at::empty_like(blocks_c.back()));
+  }
+  auto grad_inv_rms = at::empty_like(inv_rms_c);
+  const int64_t chunks = num_chunks(tokens);
+  auto grad_queries_chunks = at::zeros({chunks, num_queries, hidden}, queries_c.options());
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, first.scalar_type(), "phase1_backward", [&] {
+    std::vector<const scalar_t*> block_p;
+    std::vector<scalar_t*> grad_block_p;
+    for (int64_t n = 0; n < num_blocks; ++n) {
+      block_p.push_back(blocks_c[n].data_ptr<scalar_t>());
+      grad_block_p.push_back(grad_blocks[n].data_ptr<scalar_t>());
+    }
+    const float* go_p = go_c.data_ptr<float>();
+    const float* gl_p = gl_c.data_ptr<float>();
+    const float* inv_rms_p = inv_rms_c.data_ptr<float>();
+    const float* queries_p = queries_c.data_ptr<float>();
+    const float* obar_p = obar_c.data_ptr<float>();
+    const float* weights_p = weights_c.data_ptr<float>();
+    const float* raw_p = raw_c.data_ptr<float>();
+    float* grad_inv_rms_p = grad_inv_rms.data_ptr<float>();
+    for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
+      std::vector<float> scratch(hidden), grad_row(hidden), delta(num_queries), ds(num_queries);
+      float* grad_q = grad_queries_chunks.data_ptr<float>() + chunk * num_queries * hidden;
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t s = 0; s < num_queries; ++s) {
+          const int64_t row = (s * tokens + t) * hidden;
+          delta[s] = dot(go_p + row, obar_p + row, hidden);
+        }
+        for (int64_t n = 0; n < num_blocks; ++n) {
+          const float* v = fp32_row(block_p[n] + t * hidden, hidden, scratch.data());
+          const float r = inv_rms_p[n * tokens + t];
+          float grad_r = 0.f;
+          std::fill(grad_row.begin(), grad_row.end(), 0.f);
+          for (int64_t s = 0; s < num_queries; ++s) {
+            const int64_t score = (n * num_queries + s) * tokens + t;
+            const float* go = go_p + (s * tokens + t) * hidden;
+            const float p = weights_p[score];
+            ds[s] = p * (dot(go, v, hidden) - delta[s] + gl_p[s * tokens + t]);
+            grad_r += ds[s] * raw_p[score];
+            const float coef = ds[s] * r;
+            const float* q = queries_p + s * hidden;
+            float* gq = grad_q + s * hidden;
+            for (int64_t i = 0; i < hidden; ++i) {
+              grad_row[i] += p * go[i] + coef * q[i];
+              gq[i] += coef * v[i];
+            }
+          }
+          grad_inv_rms_p[n * tokens + t] = grad_r;
+          scalar_t* grad_b = grad_block_p[n] + t * hidden;
+          for (int64_t i = 0; i < hidden; ++i) grad_b[i] = static_cast<scalar_t>(grad_row[i]);
+        }
+      }
+    });
+  });
+  std::vector<at::Tensor> result{grad_inv_rms, grad_queries_chunks.sum(0)};
+  result.insert(result.end(), grad_blocks.begin(), grad_blocks.end());
+  return result;
+}
+
+// The backward pass of `phase2_rms_norm`, as `two_phase_torch._Phase2RMSNorm.backward` derives it, from the forward
+// pass's per-token scalars (`stats`: gate, raw, inv_rms, norm_inv_rms), with `h` recomputed.
+// Returns `(grad_obar, grad_lse, grad_partial, grad_query, grad_norm_weight)`.
+std::vector<at::Tensor> phase2_rms_norm_backward(
+    const at::Tensor& grad_out,
+    const at::Tensor& obar,
+    const at::Tensor& partial,
+    const at::Tensor& query,
+    const at::Tensor& norm_weight,
+    const at::Tensor& stats) {
+  const int64_t hidden = partial.size(-1);
+  const int64_t tokens = partial.numel() / hidden;
+  const auto go_c = grad_out.to(partial.scalar_type()).contiguous(), obar_c = obar.contiguous();
+  const auto partial_c = partial.contiguous();
+  const auto query_c = query.contiguous(), weight_c = norm_weight.contiguous(), stats_c = stats.contiguous();
+  auto grad_obar = at::empty_like(obar_c);
+  auto grad_lse = at::empty(stats.sizes().slice(1), obar_c.options());
+  auto grad_partial = at::empty_like(partial_c);
+  const int64_t chunks = num_chunks(tokens);
+  auto sums = at::zeros({chunks, 2, hidden}, obar_c.options());  // per chunk: grad_query, grad_norm_weight
+  const float inv_hidden = 1.f / static_cast<float>(hidden);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_rms_norm_backward", [&] {
+    const scalar_t* go_p = go_c.data_ptr<scalar_t>();
+    const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
+    const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
+    scalar_t* grad_partial_p = grad_partial.data_ptr<scalar_t>();
+    const float* obar_p = obar_c.data_ptr<float>();
+    const float* query_p = query_c.data_ptr<float>();
+    const float* gate_p = stats_c.data_ptr<float>();
+    const float* raw_p = gate_p + tokens;
+    const float* inv_rms_p = raw_p + tokens;
+    const float* norm_inv_rms_p = inv_rms_p + tokens;
+    float* grad_obar_p = grad_obar.data_ptr<float>();
+    float* grad_lse_p = grad_lse.data_ptr<float>();
+    for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
+      std::vector<float> scratch(hidden), go_row(hidden), weight(hidden), h(hidden), gh(hidden);
+      const float* w = fp32_row(weight_p, hidden, weight.data());
+      float* grad_q = sums.data_ptr<float>() + chunk * 2 * hidden;
+      float* grad_w = grad_q + hidden;
+      for (int64_t t = begin; t < end; ++t) {
+        const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
+        const float* go = fp32_row(go_p + t * hidden, hidden, go_row.data());
+        const float* o = obar_p + t * hidden;
+        const float gate = gate_p[t], inv_rms = inv_rms_p[t], norm_inv_rms = norm_inv_rms_p[t];
+        merge(o, v, gate, hidden, h.data());
+        float h_dot_gn = 0.f;
+        for (int64_t i = 0; i < hidden; ++i) {
+          grad_w[i] += go[i] * (h[i] * norm_inv_rms);
+          h_dot_gn += h[i] * (go[i] * w[i]);
+        }
+        const float norm_coef = norm_inv_rms * norm_inv_rms * norm_inv_rms * h_dot_gn * inv_hidden;
+        float grad_logit = 0.f;
+        for (int64_t i = 0; i < hidden; ++i) {
+          gh[i] = go[i] * w[i] * norm_inv_rms - norm_coef * h[i];
+          grad_logit += gh[i] * (v[i] - o[i]);
+        }
+        grad_logit *= gate * (1.f - gate);
+        const float query_coef = grad_logit * inv_rms;
+        const float value_coef = grad_logit * raw_p[t] * inv_rms * inv_rms * inv_rms * inv_hidden;
+        float* grad_o = grad_obar_p + t * hidden;
+        scalar_t* grad_v = grad_partial_p + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          grad_o[i] = gh[i] * (1.f - gate);
+          grad_v[i] = static_cast<scalar_t>(gh[i] * gate + query_coef * query_p[i] - value_coef * v[i]);
+          grad_q[i] += query_coef * v[i];
+        }
+        grad_lse_p[t] = -grad_logit;
+      }
+    });
+  });
+  const auto totals = sums.sum(0);
+  return {grad_obar, grad_lse, grad_partial, totals[0], totals[1].to(norm_weight.scalar_type())};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("phase1", &phase1, "Phase 1 of Block AttnRes over separately given blocks (forward)");
+  m.def("append_inverse_rms", &append_inverse_rms, "The inverse RMS of a newly completed block, appended");
+  m.def("phase1_backward", &phase1_backward, "Phase 1's backward pass");
+  m.def("phase2_rms_norm_backward", &phase2_rms_norm_backward, "Phase 2 + RMSNorm's backward pass");
+  m.def("phase2_rms_norm", &phase2_rms_norm, "Phase 2 fused with the following RMSNorm (forward)");
+}

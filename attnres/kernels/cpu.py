@@ -1,0 +1,138 @@
+"""Fused CPU kernels for the two phases (`cpu.cpp`), compiled on first use, behind `two_phase_torch`'s API.
+
+On a CPU, depth attention costs per-operation overhead and memory passes more than arithmetic: `two_phase_torch`
+spends a dozen or more tensor operations per phase and pass, each a dispatch of microseconds when decoding one token
+and a pass over the tensors in training (phase 1's backward pass alone makes several per block). `cpu.cpp` computes
+each phase's forward and backward pass in one call, reading each token's rows once while they are in cache. It is
+compiled with PyTorch's C++ extension builder the first time a process needs it (about a minute; cached under
+`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), which needs a C++ compiler and `ninja`; where it
+cannot be built the model logs why once and keeps `two_phase_torch`, which computes the same.
+
+Inside `torch.compile` the functions here defer to `two_phase_torch`, whose plain tensor operations inductor traces
+and fuses itself.
+"""
+
+import functools
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import two_phase_torch
+
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def extension():
+    """The compiled `cpu.cpp` module, or `None` (with one warning) where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    # One build per torch version: an extension compiled against another torch's headers must not be loaded.
+    name = "attnres_cpu_" + re.sub(r"\W", "_", torch.__version__)
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(Path(__file__).with_name("cpu.cpp"))],
+            extra_cflags=["-O3", "-fopenmp"],  # OpenMP: ATen's thread pool (at::parallel_for) in the kernels
+            extra_ldflags=["-fopenmp"],
+        )
+    except (OSError, RuntimeError, ImportError) as error:
+        logger.warning("attnres: fused CPU depth-attention kernels unavailable, using PyTorch ops (%s)", error)
+        return None
+
+
+def _differentiating(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+class _Phase1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, *blocks: torch.Tensor):
+        obar, lse, weights, raw = extension().phase1(list(blocks), blocks_inv_rms, queries)
+        ctx.save_for_backward(blocks_inv_rms, queries, obar, weights, raw, *blocks)
+        return obar, lse
+
+    @staticmethod
+    def backward(ctx, grad_obar: torch.Tensor, grad_lse: torch.Tensor):
+        blocks_inv_rms, queries, obar, weights, raw, *blocks = ctx.saved_tensors
+        saved = (blocks, blocks_inv_rms, queries, obar, weights, raw)
+        return tuple(extension().phase1_backward(grad_obar, grad_lse, *saved))
+
+
+class _Phase2RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, obar, lse, partial, query, eps, norm_weight, norm_eps):
+        out, stats = extension().phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
+        ctx.save_for_backward(obar, partial, query, norm_weight, stats)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        obar, partial, query, norm_weight, stats = ctx.saved_tensors
+        grad_obar, grad_lse, grad_partial, grad_query, grad_weight = extension().phase2_rms_norm_backward(
+            grad_out, obar, partial, query, norm_weight, stats
+        )
+        return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None
+
+
+def phase1(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`two_phase_torch.phase1`: `(obar [S, *tokens, D], lse [S, *tokens])`, fp32."""
+    if torch.compiler.is_compiling():
+        return two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
+    if _differentiating(blocks_inv_rms, queries, *blocks):
+        return _Phase1.apply(blocks_inv_rms, queries, *blocks)
+    obar, lse, _, _ = extension().phase1(list(blocks), blocks_inv_rms, queries)
+    return obar, lse
+
+
+class _AppendInverseRMS(torch.autograd.Function):
+    """The kernel's forward pass in training too, so that reentrant activation checkpointing, which runs the forward
+    pass without gradients and recomputes it with them, recomputes exactly the same values."""
+
+    @staticmethod
+    def forward(ctx, blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float):
+        appended = extension().append_inverse_rms(blocks_inv_rms, block, eps)
+        ctx.save_for_backward(block, appended[-1])
+        return appended
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """`r = (mean(x^2) + eps)^(-1/2)` per token, so `dr/dx = -r^3 x / D`."""
+        block, inv_rms = ctx.saved_tensors
+        coef = grad[-1] * inv_rms.pow(3) / block.shape[-1]
+        return grad[:-1], (-coef.unsqueeze(-1) * block.float()).to(block.dtype), None
+
+
+def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
+    """`two_phase_torch.append_inverse_rms`: `[N + 1, *tokens]`."""
+    if torch.compiler.is_compiling():
+        return two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps)
+    if _differentiating(blocks_inv_rms, block):
+        return _AppendInverseRMS.apply(blocks_inv_rms, block, eps)
+    return extension().append_inverse_rms(blocks_inv_rms, block, eps)
+
+
+def phase2_rms_norm(
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+) -> torch.Tensor:
+    """`two_phase_torch.phase2_rms_norm`. The kernel keeps the partial's dtype throughout, so a gain of another
+    dtype (whose product the reference promotes) takes the PyTorch path."""
+    args = (obar, lse, partial, query, eps, norm_weight, norm_eps)
+    if torch.compiler.is_compiling() or norm_weight.dtype != partial.dtype:
+        return two_phase_torch.phase2_rms_norm(*args)
+    if _differentiating(obar, lse, partial, query, norm_weight):
+        return _Phase2RMSNorm.apply(*args)
+    out, _ = extension().phase2_rms_norm(*args)
+    return out

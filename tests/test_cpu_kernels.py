@@ -1,0 +1,175 @@
+"""The fused CPU kernels (`attnres.kernels.cpu`, C++) against the PyTorch reference (`attnres.two_phase`), and the
+model on them against the model on `two_phase_torch`.
+
+The kernels are built on first use (about a minute, once per machine); `ATTNRES_DEPTH_KERNEL=cpu` below makes a
+failed build an error instead of the model's silent fallback. Tolerances: `kernel_cases.py`.
+"""
+
+import pytest
+import torch
+
+from attnres import AttnResForCausalLM, two_phase_torch
+from attnres.kernels import cpu
+from attnres.two_phase import inverse_rms
+from attnres.two_phase import phase1 as reference_phase1
+from attnres.two_phase import phase2_rms_norm as reference_phase2_rms_norm
+
+from conftest import randomize_depth_parameters, tiny_config
+from kernel_cases import (
+    DTYPES,
+    EPS,
+    NORM_EPS,
+    PHASE1_SHAPES,
+    assert_matches,
+    fused_phase2,
+    phase1_inputs,
+    phase2_inputs,
+    run_with_grads,
+)
+
+
+# 70 tokens span several of the kernels' 16-token tasks, so sums over tokens (the query and gain gradients) add the
+# shares of more than one chunk.
+CPU_PHASE1_SHAPES = [*PHASE1_SHAPES, (3, 2, (70,), 36)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_extension():
+    assert cpu.extension() is not None, "the fused CPU kernels did not build (see the warning logged above)"
+
+
+def separate_blocks_phase1(blocks_inv_rms, queries, *blocks):
+    return cpu.phase1(blocks, blocks_inv_rms, queries)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CPU_PHASE1_SHAPES, ids=str)
+def test_phase1_matches_reference(shape, dtype):
+    stacked, blocks_inv_rms, queries = phase1_inputs(*shape, dtype)
+    inputs = (blocks_inv_rms, queries, *stacked.unbind(0))
+    num_queries, tokens, hidden = shape[1:]
+    grads = (torch.randn(num_queries, *tokens, hidden), torch.randn(num_queries, *tokens))
+    (obar, lse), kernel_grads = run_with_grads(separate_blocks_phase1, inputs, grads)
+    fp32 = (stacked.float(), blocks_inv_rms, queries)
+    (ref_obar, ref_lse), (ref_grad_blocks, *ref_grads) = run_with_grads(reference_phase1, fp32, grads)
+    assert obar.dtype == lse.dtype == torch.float32
+    assert_matches(obar, ref_obar)
+    assert_matches(lse, ref_lse)
+    for x, grad, ref_grad in zip(inputs, kernel_grads, (*ref_grads, *ref_grad_blocks), strict=True):
+        assert grad.dtype == x.dtype
+        assert_matches(grad, ref_grad)
+    with torch.no_grad():  # inference takes the forward kernel alone, which computes the same
+        no_grad_obar, no_grad_lse = cpu.phase1(stacked.unbind(0), blocks_inv_rms, queries)
+    assert torch.equal(no_grad_obar, obar) and torch.equal(no_grad_lse, lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100), ((70,), 36)], ids=str)
+def test_phase2_rms_norm_matches_reference(tokens, hidden, dtype):
+    inputs = phase2_inputs(tokens, hidden, dtype)
+    grad = torch.randn(*tokens, hidden).to(dtype)
+    (out,), kernel_grads = run_with_grads(fused_phase2(cpu.phase2_rms_norm), inputs, (grad,))
+    fp32_inputs = tuple(x.float() for x in inputs)
+    (ref_out,), ref_grads = run_with_grads(fused_phase2(reference_phase2_rms_norm), fp32_inputs, (grad.float(),))
+    assert out.dtype == dtype
+    assert_matches(out, ref_out)
+    for x, kernel_grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
+        assert kernel_grad.dtype == x.dtype
+        assert_matches(kernel_grad, ref_grad)
+    with torch.no_grad():
+        assert torch.equal(fused_phase2(cpu.phase2_rms_norm)(*inputs), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_append_inverse_rms_matches_reference(dtype):
+    blocks_inv_rms = torch.rand(3, 2, 5)
+    block = (3 * torch.randn(2, 5, 40)).to(dtype)
+    with torch.no_grad():
+        appended = cpu.append_inverse_rms(blocks_inv_rms, block, EPS)
+    assert appended.shape == (4, 2, 5) and torch.equal(appended[:3], blocks_inv_rms)
+    assert_matches(appended[3], inverse_rms(block.float(), EPS))
+
+
+def test_non_contiguous_inputs():
+    blocks = torch.randn(3, 5, 2, 40).transpose(1, 2)
+    queries = torch.randn(40, 4).T
+    with torch.no_grad():
+        obar, lse = cpu.phase1(blocks.unbind(0), inverse_rms(blocks, EPS), queries)
+        ref_obar, ref_lse = reference_phase1(blocks, inverse_rms(blocks, EPS), queries)
+        assert_matches(obar, ref_obar)
+        assert_matches(lse, ref_lse)
+        partial = torch.randn(5, 2, 40).transpose(0, 1)
+        norm_weight = torch.randn(80)[::2]
+        args = (obar[1], lse[1], partial, queries[1], EPS, norm_weight, NORM_EPS)
+        assert_matches(cpu.phase2_rms_norm(*args), reference_phase2_rms_norm(*args))
+
+
+def test_gain_of_another_dtype_takes_the_pytorch_path():
+    """A bf16 partial with an fp32 gain (as under autocast): the reference promotes the product to fp32, which the
+    kernel (one dtype throughout) does not, so the PyTorch implementation computes it."""
+    obar, lse, partial, query, norm_weight = phase2_inputs((2, 3), 48, torch.bfloat16)
+    args = (obar, lse, partial, query, EPS, norm_weight.float(), NORM_EPS)
+    out = cpu.phase2_rms_norm(*args)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, two_phase_torch.phase2_rms_norm(*args))
+
+
+@pytest.mark.parametrize("residual_mode", ["block", "full"])
+def test_model_on_cpu_kernels_matches_pytorch_path(residual_mode, monkeypatch):
+    """Logits and every parameter's gradient, and greedy decoding with the KV cache, against `two_phase_torch`."""
+    model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode))
+    randomize_depth_parameters(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5))
+
+    def logits_and_grads(kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    logits, grads = logits_and_grads("cpu")
+    ref_logits, ref_grads = logits_and_grads("reference")
+    assert_matches(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys()
+    assert all(grads[name].abs().max() > 0 for name in grads if name.endswith("pseudo_query") and ".0.attn" not in name)
+    for name, grad in grads.items():
+        assert_matches(grad, ref_grads[name])
+
+    with torch.no_grad():
+        assert_matches(model(ids).logits, ref_logits)  # inference: the forward kernels alone
+        generated = {}
+        for kernel in ("cpu", "reference"):
+            monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
+            generated[kernel] = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(generated["cpu"], generated["reference"])
+
+
+def test_bf16_model_on_cpu_kernels_tracks_fp32(monkeypatch):
+    """A bf16 model on the kernels against the same model in fp32 on the PyTorch path: logits within bf16's own
+    error (a few units of bf16's epsilon on the logits' scale, as the reference's own bf16 run)."""
+    model = AttnResForCausalLM(tiny_config())
+    randomize_depth_parameters(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
+        fp32_logits = model(ids).logits
+        reference_bf16 = model.to(torch.bfloat16)(ids).logits.float()
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "cpu")
+        kernel_bf16 = model(ids).logits.float()
+    reference_error = (reference_bf16 - fp32_logits).abs().max()
+    kernel_error = (kernel_bf16 - fp32_logits).abs().max()
+    assert reference_error > 0
+    assert kernel_error <= 2 * reference_error
+
+
+def test_append_inverse_rms_gradient_matches_reference():
+    """Differentiated through the kernel's own forward pass (what reentrant checkpointing recomputes)."""
+    blocks_inv_rms, block = torch.rand(2, 3, 4), 3 * torch.randn(3, 4, 40)
+    grad = torch.randn(3, 3, 4)
+    inputs = (blocks_inv_rms, block)
+    appended, kernel_grads = run_with_grads(lambda r, b: cpu.append_inverse_rms(r, b, EPS), inputs, (grad,))
+    expected, ref_grads = run_with_grads(lambda r, b: torch.cat([r, inverse_rms(b, EPS).unsqueeze(0)]), inputs, (grad,))
+    assert_matches(appended[0], expected[0])
+    for kernel_grad, ref_grad in zip(kernel_grads, ref_grads, strict=True):
+        assert_matches(kernel_grad, ref_grad)
