@@ -6,8 +6,8 @@ dtype, because depth logits are dot products over the whole hidden size and bf16
 
 The model computes the two-phase form (SPEC §6): `phase1` once per block for all of its pseudo-queries, and
 `phase2` per sublayer, fused with the RMSNorm that reads its result (`phase2_rms_norm`). Its implementations are the
-Triton kernels in `attnres.kernels` and, elsewhere, `two_phase_torch` (PyTorch ops with hand-written backward);
-both have these functions' signatures and are tested against them.
+Triton kernels (CUDA) and the fused C++ kernels (CPU) in `attnres.kernels` and, elsewhere, `two_phase_torch`
+(PyTorch ops with hand-written backward); all have these functions' signatures and are tested against them.
 """
 
 import torch

@@ -1,8 +1,10 @@
-"""The two phases of SPEC §6 in plain PyTorch, with hand-written backward passes: what the model runs where the Triton
-kernels (`attnres.kernels`) do not, i.e. on the CPU and on any device without Triton.
+"""The two phases of SPEC §6 in plain PyTorch, with hand-written backward passes: what the model runs where neither
+the Triton kernels (CUDA) nor the fused C++ kernels (CPU; `attnres.kernels`) do: where they cannot be loaded, in
+remote-code checkpoints without the package, and inside `torch.compile` on the CPU. Also the API those kernels
+implement.
 
 Same signatures and numerics as the reference (`two_phase.phase1` / `two_phase.phase2_rms_norm`, which these are
-tested against) and as the kernels, but built for the model's two costs on a CPU:
+tested against), but built for the model's two costs on a CPU:
 
 - memory in training: autograd through the reference would keep a stacked copy of the completed blocks for phase 1
   and, for phase 2, both the merged sublayer input `h` and the norm's intermediates. These functions keep only what
@@ -143,10 +145,7 @@ def phase1(
     blockwise = queries.shape[0] <= BLOCKWISE_MAX_QUERIES
     if torch.is_grad_enabled() and any(x.requires_grad for x in (blocks_inv_rms, queries, *blocks)):
         return (_Phase1Blockwise if blockwise else _Phase1).apply(blocks_inv_rms, queries, *blocks)
-    # Inside torch.compile the stacked form serves inference for any number of queries: inductor writes the stack
-    # straight into the matmul's input, and its graph is smaller (measured on a CPU, small shape, blocks of 2: 1.01x
-    # Llama's prefill and decode, against 1.05x and 1.12x block by block). Training keeps the blockwise backward.
-    if blockwise and not torch.compiler.is_compiling():
+    if blockwise:
         return _blockwise_forward(blocks, blocks_inv_rms, queries)[:2]
     obar, lse, _, _ = _phase1_forward(_stacked_values(blocks), blocks_inv_rms, queries)
     return obar.movedim(-2, 0), lse.movedim(-1, 0)

@@ -11,11 +11,11 @@ Workloads (fp32):
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
   across the models (eager: a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`);
 - train: forward + backward of a batch of 4 x 256 tokens;
-- memory: what one training step adds at its peak, in a fresh subprocess per model: the bytes its tensors hold (the
-  allocator-independent figure, as `torch.cuda.max_memory_allocated` on a GPU) and the resident memory (RSS), which
-  also counts what glibc's allocator keeps in its heap: by default glibc serves freed sizes up to 32 MiB from the
-  heap afterwards, so RSS depends on how the step's allocations interleave (`MALLOC_MMAP_THRESHOLD_=131072` turns
-  that off: RSS then follows the tensors).
+- memory: what one training step adds at its peak, in a fresh subprocess per model (two at a time, one thread
+  each): the bytes its tensors hold (the allocator-independent figure, as `torch.cuda.max_memory_allocated` on a
+  GPU) and the resident memory (RSS), which also counts what glibc's allocator keeps in its heap: by default glibc
+  serves freed sizes up to 32 MiB from the heap afterwards, so RSS depends on how the step's allocations interleave
+  (`MALLOC_MMAP_THRESHOLD_=131072` turns that off: RSS then follows the tensors).
 
 Usage:
     python -m benchmarks.overhead                  # eager, all shapes, ~10 minutes on 2 cores
@@ -30,7 +30,9 @@ Prints a markdown table and writes JSON to benchmarks/results/overhead.json.
 """
 
 import argparse
+import functools
 import json
+import os
 import platform
 import re
 import statistics
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -231,8 +234,18 @@ def peak_train_memory(shape: str, name: str) -> dict[str, float]:
     code = "import json; from benchmarks.overhead import train_memory_in_this_process as measure; "
     code += f"print(json.dumps(measure({shape!r}, {name!r})))"
     root = Path(__file__).resolve().parents[1]
-    output = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one core each: two of these run side by side
+    command = [sys.executable, "-c", code]
+    output = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(output.strip().splitlines()[-1])
+
+
+def peak_train_memories(shape: str) -> dict[str, dict[str, float]]:
+    """`peak_train_memory` of every model of the shape, two processes at a time: memory does not depend on timing,
+    and this halves the part of the benchmark's run time that imports, builds and steps each model once more."""
+    names = model_names(shape)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(names, pool.map(functools.partial(peak_train_memory, shape), names), strict=True))
 
 
 def cpu_model() -> str:
@@ -261,7 +274,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         # Memory first, in subprocesses, before this process holds the shape's models.
-        memory = {} if args.no_memory else {name: peak_train_memory(shape, name) for name in model_names(shape)}
+        memory = {} if args.no_memory else peak_train_memories(shape)
         models = build_models(shape)
         baseline = next(iter(models))
         for execution in ["eager"] + (["compile"] if args.compile else []):

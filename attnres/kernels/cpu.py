@@ -26,18 +26,29 @@ from .. import two_phase_torch
 logger = logging.getLogger(__name__)
 
 
+# Vector instructions to compile for, by the level PyTorch itself dispatches to on this CPU
+# (`torch.backends.cpu.get_cpu_capability()`): the kernels' loops are written for the compiler to vectorise.
+_VECTOR_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
 @functools.cache
 def extension():
     """The compiled `cpu.cpp` module, or `None` (with one warning) where it cannot be built."""
     from torch.utils import cpp_extension
 
-    # One build per torch version: an extension compiled against another torch's headers must not be loaded.
-    name = "attnres_cpu_" + re.sub(r"\W", "_", torch.__version__)
+    # One build per torch version (an extension compiled against another torch's headers must not be loaded) and
+    # vector instruction set (a cache directory shared by different machines must not hand one another's build).
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = "attnres_cpu_" + re.sub(r"\W", "_", f"{torch.__version__}_{capability}")
     try:
         return cpp_extension.load(
             name=name,
             sources=[str(Path(__file__).with_name("cpu.cpp"))],
-            extra_cflags=["-O3", "-fopenmp"],  # OpenMP: ATen's thread pool (at::parallel_for) in the kernels
+            # OpenMP: ATen's thread pool (at::parallel_for) in the kernels.
+            extra_cflags=["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])],
             extra_ldflags=["-fopenmp"],
         )
     except (OSError, RuntimeError, ImportError) as error:
