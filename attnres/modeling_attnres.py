@@ -209,6 +209,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "router_logits": OutputRecorder(MixtralTopKRouter, index=0),
     }
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """The MoE experts are Mixtral's `MixtralExperts`, which dispatch on `config._experts_implementation`, so the
+        model takes Mixtral's default (`grouped_mm`) and `experts_implementation=` like Mixtral. Transformers decides
+        this by finding `@use_experts_implementation` in the model's own source file, where it is not."""
+        return True
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         std = self.config.initializer_range

@@ -58,3 +58,13 @@ def phase2_inputs(tokens: tuple[int, ...], hidden: int, dtype: torch.dtype):
 def fused_phase2(op):
     """`op` (`phase2_rms_norm`) with the gain among the differentiated inputs and the scalars fixed."""
     return lambda obar, lse, partial, query, norm_weight: op(obar, lse, partial, query, EPS, norm_weight, NORM_EPS)
+
+
+def logits_and_grads(model, ids: torch.Tensor, kernel: str, monkeypatch) -> tuple[torch.Tensor, dict]:
+    """`model`'s logits for `ids` and every parameter's gradient of their mean square, computed with
+    `ATTNRES_DEPTH_KERNEL=kernel`: a model on one implementation against the same model on another."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
+    model.zero_grad()
+    logits = model(ids).logits
+    logits.square().mean().backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}

@@ -22,6 +22,7 @@ from kernel_cases import (
     PHASE1_SHAPES,
     assert_matches,
     fused_phase2,
+    logits_and_grads,
     phase1_inputs,
     phase2_inputs,
     run_with_grads,
@@ -120,16 +121,8 @@ def test_model_on_cpu_kernels_matches_pytorch_path(residual_mode, monkeypatch):
     model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode))
     randomize_depth_parameters(model)
     ids = torch.randint(3, model.config.vocab_size, (2, 5))
-
-    def logits_and_grads(kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
-        model.zero_grad()
-        logits = model(ids).logits
-        logits.square().mean().backward()
-        return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
-
-    logits, grads = logits_and_grads("cpu")
-    ref_logits, ref_grads = logits_and_grads("reference")
+    logits, grads = logits_and_grads(model, ids, "cpu", monkeypatch)
+    ref_logits, ref_grads = logits_and_grads(model, ids, "reference", monkeypatch)
     assert_matches(logits, ref_logits)
     assert grads.keys() == ref_grads.keys()
     assert all(grads[name].abs().max() > 0 for name in grads if name.endswith("pseudo_query") and ".0.attn" not in name)

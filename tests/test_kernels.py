@@ -39,6 +39,7 @@ from kernel_cases import (
     PHASE1_SHAPES,
     assert_matches,
     fused_phase2,
+    logits_and_grads,
     phase1_inputs,
     phase2_inputs,
     run_with_grads,
@@ -131,18 +132,11 @@ class TestKernels:
         randomize_depth_parameters(model)
         ids = torch.randint(3, model.config.vocab_size, (2, 5))
 
-        def logits_and_grads(kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
-            model.zero_grad()
-            logits = model(ids).logits
-            logits.square().mean().backward()
-            return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
-
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
         assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "triton"
 
-        logits, grads = logits_and_grads("triton")
-        ref_logits, ref_grads = logits_and_grads("reference")
+        logits, grads = logits_and_grads(model, ids, "triton", monkeypatch)
+        ref_logits, ref_grads = logits_and_grads(model, ids, "reference", monkeypatch)
         assert_matches(logits, ref_logits)
         query_grads = [grad for name, grad in grads.items() if name.endswith("pseudo_query")]
         # The first sublayer attends over the embedding alone, so its softmax (and query gradient) is constant.
