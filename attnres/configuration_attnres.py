@@ -52,9 +52,10 @@ class AttnResConfig(PreTrainedConfig):
             exactly what the PreNorm source computed. Conversions turn it on; models trained from scratch leave it
             off.
         depth_kernel (`str`, defaults to `"auto"`):
-            `"auto"` uses the Triton kernels for block aggregation on CUDA when Triton is importable and the
-            PyTorch reference otherwise; `"reference"` always uses the PyTorch reference. The environment variable
-            `ATTNRES_DEPTH_KERNEL=reference` forces the reference too.
+            `"auto"` uses the Triton kernels for block aggregation on CUDA when Triton is importable, the fused C++
+            kernels on the CPU when they build (once per machine, on first use), and the PyTorch implementation
+            otherwise; `"reference"` always uses the PyTorch implementation. The environment variable
+            `ATTNRES_DEPTH_KERNEL=reference` forces it too.
 
     Comparison fields (SPEC §7; for ablation studies):
         residual_mode (`str`) also accepts `"denseformer"` (a depth-weighted average after decoder blocks), `"hc"`
