@@ -26,6 +26,11 @@ import torch
 from .two_phase import as_float32, cast, inverse_rms
 
 
+def differentiating(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an operation on `tensors`: the hand-written backward passes are needed only then."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
 def _softmax_and_lse(logits: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`softmax(logits, dim)` and `logsumexp(logits, dim)` from one exponential (`torch.logsumexp` followed by an
     `exp` costs about twice the dispatches, which dominate at decode)."""
@@ -143,7 +148,7 @@ def phase1(
     Returns `obar` `[S, *tokens, D]` and `lse` `[S, *tokens]`, fp32.
     """
     blockwise = queries.shape[0] <= BLOCKWISE_MAX_QUERIES
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (blocks_inv_rms, queries, *blocks)):
+    if differentiating(blocks_inv_rms, queries, *blocks):
         return (_Phase1Blockwise if blockwise else _Phase1).apply(blocks_inv_rms, queries, *blocks)
     if blockwise:
         return _blockwise_forward(blocks, blocks_inv_rms, queries)[:2]
@@ -226,6 +231,6 @@ def phase2_rms_norm(
     norm_eps: float,
 ) -> torch.Tensor:
     """`two_phase.phase2_rms_norm`: phase 2 fused with the RMSNorm of the sublayer that reads its result."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (obar, lse, partial, query, norm_weight)):
+    if differentiating(obar, lse, partial, query, norm_weight):
         return _Phase2RMSNorm.apply(obar, lse, partial, query, eps, norm_weight, norm_eps)
     return _phase2_rms_norm_forward(obar, lse, partial, query, eps, norm_weight, norm_eps)[0]

@@ -56,10 +56,6 @@ def extension():
         return None
 
 
-def _differentiating(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
-
-
 class _Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, *blocks: torch.Tensor):
@@ -96,7 +92,7 @@ def phase1(
     """`two_phase_torch.phase1`: `(obar [S, *tokens, D], lse [S, *tokens])`, fp32."""
     if torch.compiler.is_compiling():
         return two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
-    if _differentiating(blocks_inv_rms, queries, *blocks):
+    if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
         return _Phase1.apply(blocks_inv_rms, queries, *blocks)
     obar, lse, _, _ = extension().phase1(list(blocks), blocks_inv_rms, queries)
     return obar, lse
@@ -124,7 +120,7 @@ def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: f
     """`two_phase_torch.append_inverse_rms`: `[N + 1, *tokens]`."""
     if torch.compiler.is_compiling():
         return two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps)
-    if _differentiating(blocks_inv_rms, block):
+    if two_phase_torch.differentiating(blocks_inv_rms, block):
         return _AppendInverseRMS.apply(blocks_inv_rms, block, eps)
     return extension().append_inverse_rms(blocks_inv_rms, block, eps)
 
@@ -143,7 +139,7 @@ def phase2_rms_norm(
     args = (obar, lse, partial, query, eps, norm_weight, norm_eps)
     if torch.compiler.is_compiling() or norm_weight.dtype != partial.dtype:
         return two_phase_torch.phase2_rms_norm(*args)
-    if _differentiating(obar, lse, partial, query, norm_weight):
+    if two_phase_torch.differentiating(obar, lse, partial, query, norm_weight):
         return _Phase2RMSNorm.apply(*args)
     out, _ = extension().phase2_rms_norm(*args)
     return out
