@@ -2,14 +2,16 @@
 
 One module sits in front of every attention sublayer, every MLP sublayer and the final norm. It turns the *depth
 state* (what the network has produced so far) into the sublayer's input, and folds the sublayer's output back into
-the state. The state is a tuple of tensors owned by the model's forward loop and passed positionally through the
-decoder layers, so reentrant activation checkpointing sees every tensor:
+the state. The state is a tuple (of tensors, and for AttnRes how to compute with them) owned by the model's forward
+loop and passed positionally through the decoder layers, so reentrant activation checkpointing sees every tensor:
 
 - standard PreNorm (SPEC §2): `(residual_stream,)`; the input is the stream, the output is added to it.
-- Block / Full AttnRes (SPEC §3-§4): `(queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks)`:
+- Block / Full AttnRes (SPEC §3-§4): `(kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks)`:
+  - `kernels`: the implementations of the two phases (`DepthKernels`), chosen once per forward pass
+    (`two_phase_ops`) rather than by each of the 2L + 1 steps;
+  - `materialize` (bool): whether each step must return its input `h` itself (below);
   - `queries` `[L + 1, D]`: every step's pseudo-query with its key-norm gain folded in, read once per forward pass
     through each step's `DepthQuery` module (`AttnResModel.depth_queries`);
-  - `materialize` (bool): whether each step must return its input `h` itself (below);
   - `blocks_inv_rms` `[N, batch, seq]`: the inverse RMS of the completed blocks (keys are normalised once per block
     and reused by every later query);
   - `obar` `[S, batch, seq, D]` and `lse` `[S, batch, seq]`: phase 1 of the current block (SPEC §6) for each of its
@@ -19,9 +21,9 @@ decoder layers, so reentrant activation checkpointing sees every tensor:
     are never stacked in the state: a new stack per completed block would copy every earlier block (quadratic in
     depth for Full AttnRes) and autograd would keep each copy alive until the backward pass.
 
-  This is the two-phase form of SPEC §6: a step returns phase 1's row directly (the block's first step) or hands
-  phase 2 to the following pre-norm as a `PendingMerge`, so its input `h` is never materialised. When
-  `output_hidden_states` asks for every `h`, `materialize` makes the steps compute phase 2 themselves with the same
+  This is the two-phase form of SPEC §6: a step hands its last phase to the following pre-norm as a `PendingInput`
+  (phase 1's row alone for the block's first step, phase 2 for the others), so its input `h` is never materialised.
+  When `output_hidden_states` asks for every `h`, `materialize` makes the steps compute it themselves with the same
   operations, so the outputs do not change. Where the queries cannot be read up front (parameters sharded by FSDP
   or ZeRO-3 exist only inside their own layer's forward), `queries`, `obar` and `lse` are `None` and every step
   runs phase 1 for its own query instead of reading its block's. The paper's Table 4 ablations of AttnRes
@@ -43,6 +45,7 @@ from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHy
 from .two_phase import as_float32, cast, inverse_rms, phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import phase1 as torch_phase1
+from .two_phase_torch import phase1_rms_norm as torch_phase1_rms_norm
 from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
 
 
@@ -70,7 +73,9 @@ def initial_depth_state(
     stream, block b_0, DenseFormer's stream and x_0, or every one of the Hyper-Connections streams.
 
     For AttnRes, `queries` are every step's folded pseudo-query (`AttnResModel.depth_queries`; `None` for the
-    ablations), with which phase 1 of the first block is computed here, and `materialize` is the state's flag.
+    ablations), with which phase 1 of the first block is computed here, and `materialize` is the state's flag. The
+    kernels are chosen here for the embeddings' device: a model dispatched over several devices by accelerate
+    executes every layer on devices of one type (offloaded layers run on the main device).
     """
     mode = config.residual_mode
     if mode == "standard":
@@ -79,13 +84,13 @@ def initial_depth_state(
         return inputs_embeds, inputs_embeds.unsqueeze(0)
     if mode in ("hc", "mhc"):
         return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
+    kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel)
     blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
     obar = lse = None
     if queries is not None:
         first_block = slice(0, min(config.depth_block_size, config.num_sublayers))
-        kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel)
         obar, lse = kernels.phase1((inputs_embeds,), blocks_inv_rms, queries[first_block])
-    return queries, materialize, blocks_inv_rms, obar, lse, None, inputs_embeds
+    return kernels, materialize, queries, blocks_inv_rms, obar, lse, None, inputs_embeds
 
 
 def _stacked_phase1(kernel: Callable) -> Callable:
@@ -102,11 +107,12 @@ class DepthKernels(NamedTuple):
     """The implementations of the two-phase form's operations: `two_phase_torch`'s functions and signatures."""
 
     phase1: Callable
+    phase1_rms_norm: Callable
     phase2_rms_norm: Callable
     append_inverse_rms: Callable
 
 
-TORCH_KERNELS = DepthKernels(torch_phase1, torch_phase2_rms_norm, torch_append_inverse_rms)
+TORCH_KERNELS = DepthKernels(torch_phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
 
 
 def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKernels:
@@ -119,7 +125,7 @@ def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKern
     on any device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and
     `ATTNRES_DEPTH_KERNEL=cpu` the C++ ones for CPU tensors; either fails if its kernels cannot be loaded.
 
-    Every depth-attention step asks (2L + 1 times per forward pass), so the choice is made once per combination
+    The model asks once per forward pass (`initial_depth_state`), and the choice is made once per combination
     (`_remembered_kernels`): when decoding one token on a CPU, re-importing and re-checking cost more than phase 2.
     Inside `torch.compile` the choice is traced instead (dynamo does not trace into the cache), and the CPU's is the
     PyTorch path, whose plain operations inductor fuses itself.
@@ -143,7 +149,7 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
         except ImportError:
             cpu = None
         if cpu is not None and cpu.extension() is not None:
-            return DepthKernels(cpu.phase1, cpu.phase2_rms_norm, cpu.append_inverse_rms)
+            return DepthKernels(cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms)
         if override == "cpu":
             raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
         return TORCH_KERNELS
@@ -156,31 +162,30 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
         if override == "triton":
             raise
         return TORCH_KERNELS
-    return DepthKernels(_stacked_phase1(kernel_phase1), kernel_phase2_rms_norm, torch_append_inverse_rms)
+    return DepthKernels(
+        _stacked_phase1(kernel_phase1), torch_phase1_rms_norm, kernel_phase2_rms_norm, torch_append_inverse_rms
+    )
 
 
 _remembered_kernels = functools.cache(_select_kernels)
 
 
-class PendingMerge(NamedTuple):
-    """Phase 2 of a depth-attention step (SPEC §6), handed over unfinished to the RMSNorm that reads its result.
+class PendingInput(NamedTuple):
+    """A depth-attention step's result `h`, handed over uncomputed to the RMSNorm that reads it.
 
     A step's input `h` is only ever read by the pre-norm in front of its sublayer, so the step returns this instead
-    of `h` and the norm (`AttnResRMSNorm`) runs the merge and its own normalisation as one operation
-    (`phase2_rms_norm`): `h` is never written to memory and read back, nor kept for the backward pass. It is a named
-    tuple so that accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
+    of `h` and the norm (`AttnResRMSNorm`) computes the step's last phase and its own normalisation as one operation:
+    `phase2_rms_norm`, or `phase1_rms_norm` for a block's first step, whose `h` is phase 1's row alone. `h` is never
+    written to memory and read back, nor kept for the backward pass. It is a named tuple of plain tuples so that
+    accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
     """
 
-    merge_and_norm: Callable
-    obar: torch.Tensor
-    lse: torch.Tensor
-    partial: torch.Tensor
-    query: torch.Tensor
-    eps: float
+    compute_and_norm: Callable
+    inputs: tuple
 
     def normalized(self, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
         """`norm_weight * RMSNorm(h)` with the norm's eps."""
-        return self.merge_and_norm(self.obar, self.lse, self.partial, self.query, self.eps, norm_weight, norm_eps)
+        return self.compute_and_norm(*self.inputs, norm_weight, norm_eps)
 
 
 class DepthQuery(nn.Module):
@@ -255,24 +260,16 @@ class DepthAttention(nn.Module):
 
     Holds the step's `query` (pseudo-query and key-norm gain). Full AttnRes is the same module with block size 1.
     The step reads its row of phase 1, computed for the whole block when the previous block closed, and leaves
-    phase 2 to the following pre-norm (`PendingMerge`) unless the state asks it to `materialize` its input; the step
-    that closes a block computes phase 1 for the next one (SPEC §6).
+    phase 2 (or, for the block's first step, the cast of phase 1's row) to the following pre-norm (`PendingInput`)
+    unless the state asks it to `materialize` its input; the step that closes a block computes phase 1 for the next
+    one (SPEC §6).
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float,
-        position: int,
-        block_size: int,
-        num_sublayers: int,
-        depth_kernel: str = "auto",
-    ):
+    def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
         super().__init__()
         self.query = DepthQuery(hidden_size)
         self.eps = eps
         self.position = position
-        self.depth_kernel = depth_kernel
         # Which of its block's phase-1 rows this step reads; the output step (L + 1) is a block of its own.
         self.block_offset = (position - 1) % block_size if position <= num_sublayers else 0
         # The block is closed after its last sublayer and after the network's last sublayer, so the output step
@@ -285,51 +282,53 @@ class DepthAttention(nn.Module):
 
     def forward(
         self,
-        queries: torch.Tensor | None,
+        kernels: DepthKernels,
         materialize: bool,
+        queries: torch.Tensor | None,
         blocks_inv_rms: torch.Tensor,
         obar: torch.Tensor | None,
         lse: torch.Tensor | None,
         partial: torch.Tensor | None,
         *blocks: torch.Tensor,
-    ) -> torch.Tensor | PendingMerge:
+    ) -> torch.Tensor | PendingInput:
         if queries is None:  # queries not gathered (sharded parameters): this step's own phase 1
             query = self.query()
-            kernels = two_phase_ops(blocks_inv_rms.device, self.depth_kernel)
             obar, lse = kernels.phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
             offset = 0
         else:
             query, offset = queries[self.position - 1], self.block_offset
         if partial is None:  # the block's first step: phase 1 is the whole softmax
-            return cast(obar[offset], blocks[0].dtype)
+            if materialize:
+                return cast(obar[offset], blocks[0].dtype)
+            return PendingInput(kernels.phase1_rms_norm, (obar[offset], blocks[0].dtype))
         args = (obar[offset], lse[offset], partial, query, self.eps)
         if materialize:
             return phase2(*args)
-        return PendingMerge(two_phase_ops(blocks_inv_rms.device, self.depth_kernel).phase2_rms_norm, *args)
+        return PendingInput(kernels.phase2_rms_norm, args)
 
     def absorb(
         self,
         output: torch.Tensor,
-        queries: torch.Tensor | None,
+        kernels: DepthKernels,
         materialize: bool,
+        queries: torch.Tensor | None,
         blocks_inv_rms: torch.Tensor,
         obar: torch.Tensor | None,
         lse: torch.Tensor | None,
         partial: torch.Tensor | None,
         *blocks: torch.Tensor,
-    ) -> tuple[torch.Tensor | bool | None, ...]:
+    ) -> tuple:
         partial = output if partial is None else partial + output
         if not self.closes_block:
-            return queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks
+            return kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks
         blocks = (*blocks, partial)
-        kernels = two_phase_ops(partial.device, self.depth_kernel)
         blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps)
         if queries is not None:
             obar, lse = kernels.phase1(blocks, blocks_inv_rms, queries[self.next_block])
-        return queries, materialize, blocks_inv_rms, obar, lse, None, *blocks
+        return kernels, materialize, queries, blocks_inv_rms, obar, lse, None, *blocks
 
     def sources(
-        self, queries, materialize, blocks_inv_rms, obar, lse, partial: torch.Tensor | None, *blocks: torch.Tensor
+        self, kernels, materialize, queries, blocks_inv_rms, obar, lse, partial: torch.Tensor | None, *blocks
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sources [b_0, ..., b_{n-1}, partial] stacked `[K, *tokens, D]`, and their inverse RMS `[K, *tokens]`."""
         if partial is None:
@@ -440,11 +439,13 @@ class SlidingWindowDepthAttention(DepthAttentionAblation):
         return torch.cat([sources[:1], sources[start:]]), torch.cat([inv_rms[:1], inv_rms[start:]])
 
     def absorb(self, output: torch.Tensor, *depth_state: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks = super().absorb(output, *depth_state)
+        kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks = super().absorb(
+            output, *depth_state
+        )
         if len(blocks) > self.window + 1:
             blocks = [blocks[0], *blocks[-self.window :]]
             blocks_inv_rms = torch.cat([blocks_inv_rms[:1], blocks_inv_rms[-self.window :]])
-        return queries, materialize, blocks_inv_rms, obar, lse, partial, *blocks
+        return kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks
 
     def attention_weights(self, *depth_state: torch.Tensor | None) -> torch.Tensor:
         """The weights over all the sources the unwindowed step would see, zero outside the window."""
@@ -493,7 +494,7 @@ def depth_mixer(config, position: int) -> nn.Module:
     args = (config.hidden_size, config.rms_norm_eps, position, config.depth_block_size, config.num_sublayers)
     ablation = config.depth_ablation
     if ablation is None:
-        return DepthAttention(*args, depth_kernel=config.depth_kernel)
+        return DepthAttention(*args)
     if ablation == "sliding_window":
         return SlidingWindowDepthAttention(*args, window=config.depth_window)
     if ablation == "multi_head":

@@ -41,7 +41,7 @@ from .configuration_attnres import AttnResConfig
 from .depth_mixing import (
     DepthAttention,
     DepthQuery,
-    PendingMerge,
+    PendingInput,
     depth_mixer,
     fold_queries,
     initial_depth_state,
@@ -60,13 +60,12 @@ def submodule(module: nn.Module, name: str) -> nn.Module:
 class AttnResRMSNorm(LlamaRMSNorm):
     """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm.
 
-    A depth-attention step hands over its last phase unfinished (a `PendingMerge`, on the Triton and the PyTorch path
-    alike), and the norm computes it fused with its own normalisation, so the sublayer input never goes through
-    memory.
+    A depth-attention step hands over its last phase uncomputed (a `PendingInput`, on every implementation alike),
+    and the norm computes it fused with its own normalisation, so the sublayer input never goes through memory.
     """
 
-    def forward(self, hidden_states: torch.Tensor | PendingMerge) -> torch.Tensor:
-        if isinstance(hidden_states, PendingMerge):
+    def forward(self, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
+        if isinstance(hidden_states, PendingInput):
             return hidden_states.normalized(self.weight, self.variance_epsilon)
         return super().forward(hidden_states)
 

@@ -5,7 +5,8 @@ Shapes: a stack of depth sources or completed blocks is `[N, *tokens, D]`; `*tok
 dtype, because depth logits are dot products over the whole hidden size and bf16 would round them coarsely.
 
 The model computes the two-phase form (SPEC §6): `phase1` once per block for all of its pseudo-queries, and
-`phase2` per sublayer, fused with the RMSNorm that reads its result (`phase2_rms_norm`). Its implementations are the
+`phase2` per sublayer, fused with the RMSNorm that reads its result (`phase2_rms_norm`; `phase1_rms_norm` for a
+block's first sublayer, which has no partial sum to merge). Its implementations are the
 Triton kernels (CUDA) and the fused C++ kernels (CPU) in `attnres.kernels` and, elsewhere, `two_phase_torch`
 (PyTorch ops with hand-written backward); all have these functions' signatures and are tested against them.
 """
@@ -101,6 +102,14 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     scaled by the gain (so the output has the promoted dtype of the two)."""
     normed = hidden.float() * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(hidden.dtype)
+
+
+def phase1_rms_norm(
+    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
+    """The input of a block's first sublayer, normalised: with no partial sum yet, phase 1 is the whole softmax, so
+    `h` is phase 1's row `obar` (fp32) in the model `dtype`, followed by the sublayer's RMSNorm (`rms_norm`)."""
+    return rms_norm(cast(obar, dtype), norm_weight, norm_eps)
 
 
 def phase2_rms_norm(

@@ -12,6 +12,7 @@ from attnres import AttnResForCausalLM, two_phase_torch
 from attnres.kernels import cpu
 from attnres.two_phase import inverse_rms
 from attnres.two_phase import phase1 as reference_phase1
+from attnres.two_phase import phase1_rms_norm as reference_phase1_rms_norm
 from attnres.two_phase import phase2_rms_norm as reference_phase2_rms_norm
 
 from conftest import randomize_depth_parameters, tiny_config
@@ -82,6 +83,30 @@ def test_phase2_rms_norm_matches_reference(tokens, hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100), ((70,), 36)], ids=str)
+def test_phase1_rms_norm_matches_reference(tokens, hidden, dtype):
+    """A block's first sublayer input (phase 1's fp32 row) normalised by its pre-norm, in the gain's dtype."""
+    obar, norm_weight = 3 * torch.randn(*tokens, hidden), (1 + 0.5 * torch.randn(hidden)).to(dtype)
+    grad = torch.randn(*tokens, hidden).to(dtype)
+
+    def kernel(obar, norm_weight):
+        return cpu.phase1_rms_norm(obar, dtype, norm_weight, NORM_EPS)
+
+    def reference(obar, norm_weight):
+        return reference_phase1_rms_norm(obar, torch.float32, norm_weight, NORM_EPS)
+
+    (out,), kernel_grads = run_with_grads(kernel, (obar, norm_weight), (grad,))
+    (ref_out,), ref_grads = run_with_grads(reference, (obar, norm_weight.float()), (grad.float(),))
+    assert out.dtype == dtype
+    assert_matches(out, ref_out)
+    for x, kernel_grad, ref_grad in zip((obar, norm_weight), kernel_grads, ref_grads, strict=True):
+        assert kernel_grad.dtype == x.dtype
+        assert_matches(kernel_grad, ref_grad)
+    with torch.no_grad():
+        assert torch.equal(kernel(obar, norm_weight), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_append_inverse_rms_matches_reference(dtype):
     blocks_inv_rms = torch.rand(3, 2, 5)
     block = (3 * torch.randn(2, 5, 40)).to(dtype)
@@ -103,16 +128,22 @@ def test_non_contiguous_inputs():
         norm_weight = torch.randn(80)[::2]
         args = (obar[1], lse[1], partial, queries[1], EPS, norm_weight, NORM_EPS)
         assert_matches(cpu.phase2_rms_norm(*args), reference_phase2_rms_norm(*args))
+        args = (partial, torch.float32, norm_weight, NORM_EPS)
+        assert_matches(cpu.phase1_rms_norm(*args), reference_phase1_rms_norm(*args))
 
 
 def test_gain_of_another_dtype_takes_the_pytorch_path():
-    """A bf16 partial with an fp32 gain (as under autocast): the reference promotes the product to fp32, which the
-    kernel (one dtype throughout) does not, so the PyTorch implementation computes it."""
+    """A bf16 model with an fp32 gain (as under autocast): the reference promotes the product to fp32, which the
+    kernels (one dtype throughout) do not, so the PyTorch implementation computes it."""
     obar, lse, partial, query, norm_weight = phase2_inputs((2, 3), 48, torch.bfloat16)
     args = (obar, lse, partial, query, EPS, norm_weight.float(), NORM_EPS)
     out = cpu.phase2_rms_norm(*args)
     assert out.dtype == torch.float32
     assert torch.equal(out, two_phase_torch.phase2_rms_norm(*args))
+    args = (obar, torch.bfloat16, norm_weight.float(), NORM_EPS)
+    out = cpu.phase1_rms_norm(*args)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, two_phase_torch.phase1_rms_norm(*args))
 
 
 @pytest.mark.parametrize("residual_mode", ["block", "full"])

@@ -23,7 +23,13 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from attnres import AttnResForCausalLM
-from attnres.depth_mixing import TORCH_KERNELS, DepthKernels, _remembered_kernels, depth_mixer, two_phase_ops
+from attnres.depth_mixing import (
+    TORCH_KERNELS,
+    DepthKernels,
+    _remembered_kernels,
+    initial_depth_state,
+    two_phase_ops,
+)
 from attnres.kernels import common, cpu, phase1, phase2_rms_norm
 from attnres.kernels import phase2 as phase2_module
 from attnres.two_phase import inverse_rms
@@ -185,7 +191,7 @@ def kernel_kind(kernels: DepthKernels) -> str:
     if kernels.phase2_rms_norm is phase2_rms_norm:
         return "triton"
     if kernels.phase2_rms_norm is cpu.phase2_rms_norm:
-        assert kernels == (cpu.phase1, cpu.phase2_rms_norm, cpu.append_inverse_rms)
+        assert kernels == (cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms)
         return "cpu"
     assert kernels == TORCH_KERNELS
     return "torch"
@@ -248,9 +254,14 @@ def test_two_phase_ops_without_cpu_kernels_fall_back_unless_demanded(monkeypatch
         two_phase_ops(torch.device("cpu"), "auto")
 
 
-def test_depth_kernel_config_reaches_the_module():
-    assert depth_mixer(tiny_config(depth_kernel="reference"), 2).depth_kernel == "reference"
-    assert depth_mixer(tiny_config(), 2).depth_kernel == "auto"
+def test_depth_kernel_config_reaches_the_depth_state(monkeypatch):
+    """The model chooses the kernels once per forward pass, into the depth state every step reads."""
+    monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
+    embeddings = torch.randn(1, 3, 32)
+    kernels, *_ = initial_depth_state(tiny_config(depth_kernel="reference"), embeddings)
+    assert kernel_kind(kernels) == "torch"
+    kernels, *_ = initial_depth_state(tiny_config(), embeddings)
+    assert kernel_kind(kernels) == "cpu"
 
 
 def test_kernel_benchmark_runs_under_interpreter(tmp_path):

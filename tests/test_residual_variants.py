@@ -12,6 +12,7 @@ import torch
 from transformers.masking_utils import create_causal_mask
 
 from attnres import AttnResConfig, AttnResForCausalLM
+from attnres.depth_mixing import TORCH_KERNELS
 from attnres.residual_variants import RecomputedSinkhornKnopp, sinkhorn_knopp
 from attnres.two_phase import inverse_rms
 
@@ -289,7 +290,7 @@ def test_ablation_step_follows_its_definition(ablation, with_partial):
         expected = (weights[..., None] * sources).sum(0)
     with torch.no_grad():
         # The ablations' state: no gathered queries and no phase 1 (depth_mixing's module docstring).
-        state = (None, False, blocks_inv_rms, None, None, partial, *blocks)
+        state = (TORCH_KERNELS, False, None, blocks_inv_rms, None, None, partial, *blocks)
         assert max_diff(module(*state), expected) <= 1e-5
         weights = module.attention_weights(*state)
     if ablation == "sliding_window":  # a column for every source of the unwindowed step, 0 outside the window
@@ -310,8 +311,8 @@ def test_sliding_window_keeps_only_the_window_in_the_depth_state(name):
     window = model.config.depth_window
     sizes = []
     hooks = [
-        # args: (queries, materialize, blocks_inv_rms, ...): blocks_inv_rms has a row per block the state keeps
-        module.register_forward_pre_hook(lambda m, args: sizes.append(args[2].shape[0]))
+        # args: (kernels, materialize, queries, blocks_inv_rms, ...): a row of blocks_inv_rms per block the state keeps
+        module.register_forward_pre_hook(lambda m, args: sizes.append(args[3].shape[0]))
         for module in model.modules()
         if type(module).__name__ == "SlidingWindowDepthAttention"
     ]

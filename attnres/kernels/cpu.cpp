@@ -57,6 +57,27 @@ void merge(const float* obar, const float* partial, float gate, int64_t n, float
   }
 }
 
+// Llama's RMSNorm of one fp32 row `h` with gain `w`, `y = w * (h * r)`, written in the output dtype; returns r.
+template <typename scalar_t>
+float normalize(const float* h, const float* w, int64_t n, float eps, scalar_t* y) {
+  const float inv_rms = 1.f / std::sqrt(dot(h, h, n) * (1.f / static_cast<float>(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<scalar_t>(w[i] * (h[i] * inv_rms));
+  return inv_rms;
+}
+
+// The backward pass of `normalize` for one row, from its inverse RMS `r`: adds `go * h * r` to `grad_w` and writes
+// `gh = dL/dh = r (go w) - r^3 (h . go w) h / n`.
+void normalize_backward(
+    const float* h, const float* go, const float* w, float inv_rms, int64_t n, float* grad_w, float* gh) {
+  float h_dot_gn = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    grad_w[i] += go[i] * (h[i] * inv_rms);
+    h_dot_gn += h[i] * (go[i] * w[i]);
+  }
+  const float coef = inv_rms * inv_rms * inv_rms * h_dot_gn * (1.f / static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) gh[i] = go[i] * w[i] * inv_rms - coef * h[i];
+}
+
 void check_fp32(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32, got ", x.scalar_type());
 }
@@ -140,9 +161,7 @@ std::vector<at::Tensor> phase2_rms_norm(
         const float inv_rms = 1.f / std::sqrt(dot(v, v, hidden) * inv_hidden + eps_f);
         const float gate = 1.f / (1.f + std::exp(lse_p[t] - raw * inv_rms));
         merge(o, v, gate, hidden, h);
-        const float norm_inv_rms = 1.f / std::sqrt(dot(h, h, hidden) * inv_hidden + norm_eps_f);
-        scalar_t* y = out_p + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) y[i] = static_cast<scalar_t>(w[i] * (h[i] * norm_inv_rms));
+        const float norm_inv_rms = normalize(h, w, hidden, norm_eps_f, out_p + t * hidden);
         gate_p[t] = gate;
         raw_p[t] = raw;
         inv_rms_p[t] = inv_rms;
@@ -247,6 +266,68 @@ void for_each_chunk(int64_t tokens, int64_t chunks, const Body& body) {
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) body(c, c * per_chunk, std::min(tokens, (c + 1) * per_chunk));
   });
+}
+
+// `two_phase.phase1_rms_norm`: the RMSNorm (gain `norm_weight`, output in its dtype) of phase 1's fp32 rows `obar`
+// `[*tokens, D]`, the input of a block's first sublayer; `(out, norm_inv_rms [*tokens])`.
+std::vector<at::Tensor> phase1_rms_norm(const at::Tensor& obar, const at::Tensor& norm_weight, double norm_eps) {
+  check_fp32(obar, "obar");
+  const int64_t hidden = obar.size(-1);
+  const int64_t tokens = obar.numel() / hidden;
+  TORCH_CHECK(norm_weight.numel() == hidden, "norm_weight must be [hidden]");
+  const auto obar_c = obar.contiguous(), weight_c = norm_weight.contiguous();
+  auto out = at::empty(obar.sizes(), obar.options().dtype(norm_weight.scalar_type()));
+  auto norm_inv_rms = at::empty(obar.sizes().slice(0, obar.dim() - 1), obar.options());
+  const float norm_eps_f = static_cast<float>(norm_eps);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, norm_weight.scalar_type(), "phase1_rms_norm", [&] {
+    const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
+    scalar_t* out_p = out.data_ptr<scalar_t>();
+    const float* obar_p = obar_c.data_ptr<float>();
+    float* norm_inv_rms_p = norm_inv_rms.data_ptr<float>();
+    at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
+      std::vector<float> weight(hidden);
+      const float* w = fp32_row(weight_p, hidden, weight.data());
+      for (int64_t t = begin; t < end; ++t) {
+        norm_inv_rms_p[t] = normalize(obar_p + t * hidden, w, hidden, norm_eps_f, out_p + t * hidden);
+      }
+    });
+  });
+  return {out, norm_inv_rms};
+}
+
+// The backward pass of `phase1_rms_norm`: `(grad_obar, grad_norm_weight)`.
+std::vector<at::Tensor> phase1_rms_norm_backward(
+    const at::Tensor& grad_out,
+    const at::Tensor& obar,
+    const at::Tensor& norm_weight,
+    const at::Tensor& norm_inv_rms) {
+  const int64_t hidden = obar.size(-1);
+  const int64_t tokens = obar.numel() / hidden;
+  const auto go_c = grad_out.to(norm_weight.scalar_type()).contiguous(), obar_c = obar.contiguous();
+  const auto weight_c = norm_weight.contiguous(), inv_rms_c = norm_inv_rms.contiguous();
+  auto grad_obar = at::empty_like(obar_c);
+  const int64_t chunks = num_chunks(tokens);
+  auto grad_weight_chunks = at::zeros({chunks, hidden}, obar_c.options());
+
+  const auto dtype = norm_weight.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "phase1_rms_norm_backward", [&] {
+    const scalar_t* go_p = go_c.data_ptr<scalar_t>();
+    const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
+    const float* obar_p = obar_c.data_ptr<float>();
+    const float* inv_rms_p = inv_rms_c.data_ptr<float>();
+    float* grad_obar_p = grad_obar.data_ptr<float>();
+    for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
+      std::vector<float> go_row(hidden), weight(hidden);
+      const float* w = fp32_row(weight_p, hidden, weight.data());
+      float* grad_w = grad_weight_chunks.data_ptr<float>() + chunk * hidden;
+      for (int64_t t = begin; t < end; ++t) {
+        const float* go = fp32_row(go_p + t * hidden, hidden, go_row.data());
+        normalize_backward(obar_p + t * hidden, go, w, inv_rms_p[t], hidden, grad_w, grad_obar_p + t * hidden);
+      }
+    });
+  });
+  return {grad_obar, grad_weight_chunks.sum(0).to(norm_weight.scalar_type())};
 }
 
 // The backward pass of `phase1`, as `two_phase_torch._Phase1.backward` derives it. Per token, with p the weights,
@@ -379,17 +460,9 @@ std::vector<at::Tensor> phase2_rms_norm_backward(
         const float* o = obar_p + t * hidden;
         const float gate = gate_p[t], inv_rms = inv_rms_p[t], norm_inv_rms = norm_inv_rms_p[t];
         merge(o, v, gate, hidden, h.data());
-        float h_dot_gn = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) {
-          grad_w[i] += go[i] * (h[i] * norm_inv_rms);
-          h_dot_gn += h[i] * (go[i] * w[i]);
-        }
-        const float norm_coef = norm_inv_rms * norm_inv_rms * norm_inv_rms * h_dot_gn * inv_hidden;
+        normalize_backward(h.data(), go, w, norm_inv_rms, hidden, grad_w, gh.data());
         float grad_logit = 0.f;
-        for (int64_t i = 0; i < hidden; ++i) {
-          gh[i] = go[i] * w[i] * norm_inv_rms - norm_coef * h[i];
-          grad_logit += gh[i] * (v[i] - o[i]);
-        }
+        for (int64_t i = 0; i < hidden; ++i) grad_logit += gh[i] * (v[i] - o[i]);
         grad_logit *= gate * (1.f - gate);
         const float query_coef = grad_logit * inv_rms;
         const float value_coef = grad_logit * raw_p[t] * inv_rms * inv_rms * inv_rms * inv_hidden;
@@ -416,4 +489,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("phase1_backward", &phase1_backward, "Phase 1's backward pass");
   m.def("phase2_rms_norm_backward", &phase2_rms_norm_backward, "Phase 2 + RMSNorm's backward pass");
   m.def("phase2_rms_norm", &phase2_rms_norm, "Phase 2 fused with the following RMSNorm (forward)");
+  m.def("phase1_rms_norm", &phase1_rms_norm, "The RMSNorm of phase 1's result, a block's first input (forward)");
+  m.def("phase1_rms_norm_backward", &phase1_rms_norm_backward, "The RMSNorm of phase 1's result (backward)");
 }

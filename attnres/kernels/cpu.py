@@ -143,3 +143,28 @@ def phase2_rms_norm(
         return _Phase2RMSNorm.apply(*args)
     out, _ = extension().phase2_rms_norm(*args)
     return out
+
+
+class _Phase1RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, obar: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float):
+        out, norm_inv_rms = extension().phase1_rms_norm(obar, norm_weight, norm_eps)
+        ctx.save_for_backward(obar, norm_weight, norm_inv_rms)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_obar, grad_weight = extension().phase1_rms_norm_backward(grad_out, *ctx.saved_tensors)
+        return grad_obar, grad_weight, None
+
+
+def phase1_rms_norm(
+    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
+    """`two_phase_torch.phase1_rms_norm`. The kernel writes the gain's dtype, so a gain of another dtype than the
+    model's takes the PyTorch path."""
+    if torch.compiler.is_compiling() or norm_weight.dtype != dtype:
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
+    if two_phase_torch.differentiating(obar, norm_weight):
+        return _Phase1RMSNorm.apply(obar, norm_weight, norm_eps)
+    return extension().phase1_rms_norm(obar, norm_weight, norm_eps)[0]
