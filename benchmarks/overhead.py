@@ -145,10 +145,12 @@ def decode_samples(runners: dict, models: dict, prompt: torch.Tensor, static_cac
     return samples
 
 
-def measure_times(models: dict, repeats: int, seconds: float, compile_models: bool) -> dict[str, dict[str, float]]:
+def measure_times(
+    models: dict, repeats: int, seconds: dict[str, float], compile_models: bool
+) -> dict[str, dict[str, float]]:
     """Median seconds per workload and model: interleaved runs of prefill and of the training step (at least
-    `repeats` each, more until `seconds` have passed: small shapes get many samples), and every decoded token
-    (`decode_samples`)."""
+    `repeats` each, more until `seconds[workload]` have passed: small shapes get many samples), and every decoded
+    token (`decode_samples`)."""
     vocab = next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
@@ -177,7 +179,7 @@ def measure_times(models: dict, repeats: int, seconds: float, compile_models: bo
                     function(runner, inputs[workload])
             samples = {name: [] for name in models}
             start = time.perf_counter()
-            while min(map(len, samples.values())) < repeats or time.perf_counter() - start < seconds:
+            while min(map(len, samples.values())) < repeats or time.perf_counter() - start < seconds[workload]:
                 for name, runner in runners.items():
                     samples[name].append(timed(function, runner, inputs[workload]))
         results[workload] = {name: statistics.median(values) for name, values in samples.items()}
@@ -261,7 +263,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
-    parser.add_argument("--seconds", type=float, default=20, help="keep running prefill / training step this long")
+    parser.add_argument("--seconds", type=float, default=12, help="keep running prefills this long")
+    # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
+    parser.add_argument("--train-seconds", type=float, default=36, help="keep running training steps this long")
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
@@ -271,6 +275,7 @@ def main() -> None:
     # inside the first timed sample.
     depth_kernels = two_phase_ops(torch.device("cpu")).phase1.__module__
 
+    seconds = {"prefill": args.seconds, "train": args.train_seconds}
     rows = []
     for shape in args.shapes:
         # Memory first, in subprocesses, before this process holds the shape's models.
@@ -278,7 +283,7 @@ def main() -> None:
         models = build_models(shape)
         baseline = next(iter(models))
         for execution in ["eager"] + (["compile"] if args.compile else []):
-            times = measure_times(models, args.repeats, args.seconds, compile_models=execution == "compile")
+            times = measure_times(models, args.repeats, seconds, compile_models=execution == "compile")
             for name in models:
                 row = {"shape": shape, "mode": execution, "model": name}
                 for workload, medians in times.items():
@@ -310,7 +315,7 @@ def main() -> None:
         "depth_kernels": depth_kernels,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "seconds": args.seconds, "rows": rows}, indent=2))
+    args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "seconds": seconds, "rows": rows}, indent=2))
     print(f"\nwrote {args.output}")
 
 
