@@ -57,10 +57,15 @@ void merge(const float* obar, const float* partial, float gate, int64_t n, float
   }
 }
 
+// `rsqrt(mean(v^2) + eps)` of one fp32 row: the scale RMSNorm applies to it.
+float inverse_rms(const float* v, int64_t n, float eps) {
+  return 1.f / std::sqrt(dot(v, v, n) * (1.f / static_cast<float>(n)) + eps);
+}
+
 // Llama's RMSNorm of one fp32 row `h` with gain `w`, `y = w * (h * r)`, written in the output dtype; returns r.
 template <typename scalar_t>
 float normalize(const float* h, const float* w, int64_t n, float eps, scalar_t* y) {
-  const float inv_rms = 1.f / std::sqrt(dot(h, h, n) * (1.f / static_cast<float>(n)) + eps);
+  const float inv_rms = inverse_rms(h, n, eps);
   for (int64_t i = 0; i < n; ++i) y[i] = static_cast<scalar_t>(w[i] * (h[i] * inv_rms));
   return inv_rms;
 }
@@ -96,14 +101,14 @@ at::Tensor append_inverse_rms(const at::Tensor& blocks_inv_rms, const at::Tensor
   const auto old_c = blocks_inv_rms.contiguous(), block_c = block.contiguous();
   std::copy_n(old_c.data_ptr<float>(), existing, result.data_ptr<float>());
   float* new_row = result.data_ptr<float>() + existing;
-  const float eps_f = static_cast<float>(eps), inv_hidden = 1.f / static_cast<float>(hidden);
+  const float eps_f = static_cast<float>(eps);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, block.scalar_type(), "append_inverse_rms", [&] {
     const scalar_t* block_p = block_c.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden);
       for (int64_t t = begin; t < end; ++t) {
         const float* v = fp32_row(block_p + t * hidden, hidden, scratch.data());
-        new_row[t] = 1.f / std::sqrt(dot(v, v, hidden) * inv_hidden + eps_f);
+        new_row[t] = inverse_rms(v, hidden, eps_f);
       }
     });
   });
@@ -137,7 +142,6 @@ std::vector<at::Tensor> phase2_rms_norm(
   stats_shape.insert(stats_shape.end(), token_shape.begin(), token_shape.end());
   auto stats = at::empty(stats_shape, partial.options().dtype(at::kFloat));
   const float eps_f = static_cast<float>(eps), norm_eps_f = static_cast<float>(norm_eps);
-  const float inv_hidden = 1.f / static_cast<float>(hidden);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_rms_norm", [&] {
     const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
@@ -158,7 +162,7 @@ std::vector<at::Tensor> phase2_rms_norm(
         const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
         const float* o = obar_p + t * hidden;
         const float raw = dot(v, query_p, hidden);
-        const float inv_rms = 1.f / std::sqrt(dot(v, v, hidden) * inv_hidden + eps_f);
+        const float inv_rms = inverse_rms(v, hidden, eps_f);
         const float gate = 1.f / (1.f + std::exp(lse_p[t] - raw * inv_rms));
         merge(o, v, gate, hidden, h);
         const float norm_inv_rms = normalize(h, w, hidden, norm_eps_f, out_p + t * hidden);
