@@ -6,16 +6,18 @@ the state. The state is a tuple (of tensors, and for AttnRes how to compute with
 loop and passed positionally through the decoder layers, so reentrant activation checkpointing sees every tensor:
 
 - standard PreNorm (SPEC §2): `(residual_stream,)`; the input is the stream, the output is added to it.
-- Block / Full AttnRes (SPEC §3-§4): `(kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks)`:
+- Block / Full AttnRes (SPEC §3-§4): `(kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks, *obar)`:
   - `kernels`: the implementations of the two phases (`DepthKernels`), chosen once per forward pass
     (`two_phase_ops`) rather than by each of the 2L + 1 steps;
   - `materialize` (bool): whether each step must return its input `h` itself (below);
   - `queries` `[L + 1, D]`: every step's pseudo-query with its key-norm gain folded in, read once per forward pass
     through each step's `DepthQuery` module (`AttnResModel.depth_queries`);
   - `blocks_inv_rms` `[N, batch, seq]`: the inverse RMS of the completed blocks (keys are normalised once per block
-    and reused by every later query);
-  - `obar` `[S, batch, seq, D]` and `lse` `[S, batch, seq]`: phase 1 of the current block (SPEC §6) for each of its
-    S steps, computed once when the previous block closed: the block's queries against the completed blocks;
+    and reused by every later query); its length N tells the blocks from phase 1's rows among the trailing tensors;
+  - `lse` `[S, batch, seq]` and `obar`, S tensors `[batch, seq, D]`: phase 1 of the current block (SPEC §6) for
+    each of its S steps, computed once when the previous block closed: the block's queries against the completed
+    blocks. `obar` is held as separate rows, one per step, so that each step's gradient reaches phase 1's backward
+    pass as one row, not scattered into a zero-filled `[S, batch, seq, D]` per step that autograd then sums;
   - `partial`: the running sum of the current block (`None` before its first sublayer);
   - the completed block representations b_0 (the embedding), b_1, ... as separate `[batch, seq, D]` tensors. They
     are never stacked in the state: a new stack per completed block would copy every earlier block (quadratic in
@@ -25,9 +27,9 @@ loop and passed positionally through the decoder layers, so reentrant activation
   (phase 1's row alone for the block's first step, phase 2 for the others), so its input `h` is never materialised.
   When `output_hidden_states` asks for every `h`, `materialize` makes the steps compute it themselves with the same
   operations, so the outputs do not change. Where the queries cannot be read up front (parameters sharded by FSDP
-  or ZeRO-3 exist only inside their own layer's forward), `queries`, `obar` and `lse` are `None` and every step
-  runs phase 1 for its own query instead of reading its block's. The paper's Table 4 ablations of AttnRes
-  (`depth_ablation`) keep the same state with those `None` too and compute the naive form from the sources.
+  or ZeRO-3 exist only inside their own layer's forward), `queries` and `lse` are `None`, the state holds no `obar`
+  rows, and every step runs phase 1 for its own query instead of reading its block's. The paper's Table 4 ablations
+  of AttnRes (`depth_ablation`) keep the same state too and compute the naive form from the sources.
 - DenseFormer, Hyper-Connections and mHC (SPEC §7, for comparison): see `residual_variants.py`.
 """
 
@@ -86,25 +88,28 @@ def initial_depth_state(
         return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
     kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel)
     blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
-    obar = lse = None
+    obar, lse = (), None
     if queries is not None:
         first_block = slice(0, min(config.depth_block_size, config.num_sublayers))
         obar, lse = kernels.phase1((inputs_embeds,), blocks_inv_rms, queries[first_block])
-    return kernels, materialize, queries, blocks_inv_rms, obar, lse, None, inputs_embeds
+    return kernels, materialize, queries, blocks_inv_rms, lse, None, inputs_embeds, *obar
 
 
-def _stacked_phase1(kernel: Callable) -> Callable:
-    """The Triton phase 1, which reads the blocks as one `[N, *tokens, D]` tensor, behind `two_phase_torch.phase1`'s
-    signature (blocks given separately). The stack is one extra pass over the blocks per block, not per sublayer."""
+def _in_rows(phase1: Callable, stack_blocks: bool = False) -> Callable:
+    """A phase 1 that returns `obar` stacked `[S, *tokens, D]`, returning it as its S rows (`DepthKernels.phase1`).
+    With `stack_blocks`, for the Triton kernel, which reads the blocks as one `[N, *tokens, D]` tensor: the stack is
+    one extra pass over the blocks per block, not per sublayer."""
 
-    def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-        return kernel(torch.stack(blocks), blocks_inv_rms, queries)
+    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        obar, lse = phase1(torch.stack(blocks) if stack_blocks else blocks, blocks_inv_rms, queries)
+        return obar.unbind(0), lse
 
-    return phase1
+    return phase1_rows
 
 
 class DepthKernels(NamedTuple):
-    """The implementations of the two-phase form's operations: `two_phase_torch`'s functions and signatures."""
+    """The implementations of the two-phase form's operations: `two_phase_torch`'s functions and signatures, except
+    that `phase1` returns `obar` as a tuple of its S rows `[*tokens, D]`, the form the depth state holds."""
 
     phase1: Callable
     phase1_rms_norm: Callable
@@ -112,7 +117,9 @@ class DepthKernels(NamedTuple):
     append_inverse_rms: Callable
 
 
-TORCH_KERNELS = DepthKernels(torch_phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
+TORCH_KERNELS = DepthKernels(
+    _in_rows(torch_phase1), torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms
+)
 
 
 def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKernels:
@@ -163,11 +170,21 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
             raise
         return TORCH_KERNELS
     return DepthKernels(
-        _stacked_phase1(kernel_phase1), torch_phase1_rms_norm, kernel_phase2_rms_norm, torch_append_inverse_rms
+        _in_rows(kernel_phase1, stack_blocks=True), torch_phase1_rms_norm, kernel_phase2_rms_norm,
+        torch_append_inverse_rms,
     )
 
 
 _remembered_kernels = functools.cache(_select_kernels)
+
+
+def split_blocks_and_obar(
+    blocks_inv_rms: torch.Tensor, blocks_and_obar: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The depth state's trailing tensors: the completed blocks, one per row of `blocks_inv_rms`, then phase 1's
+    `obar` rows."""
+    num_blocks = blocks_inv_rms.shape[0]
+    return blocks_and_obar[:num_blocks], blocks_and_obar[num_blocks:]
 
 
 class PendingInput(NamedTuple):
@@ -286,11 +303,11 @@ class DepthAttention(nn.Module):
         materialize: bool,
         queries: torch.Tensor | None,
         blocks_inv_rms: torch.Tensor,
-        obar: torch.Tensor | None,
         lse: torch.Tensor | None,
         partial: torch.Tensor | None,
-        *blocks: torch.Tensor,
+        *blocks_and_obar: torch.Tensor,
     ) -> torch.Tensor | PendingInput:
+        blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
         if queries is None:  # queries not gathered (sharded parameters): this step's own phase 1
             query = self.query()
             obar, lse = kernels.phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
@@ -313,24 +330,25 @@ class DepthAttention(nn.Module):
         materialize: bool,
         queries: torch.Tensor | None,
         blocks_inv_rms: torch.Tensor,
-        obar: torch.Tensor | None,
         lse: torch.Tensor | None,
         partial: torch.Tensor | None,
-        *blocks: torch.Tensor,
+        *blocks_and_obar: torch.Tensor,
     ) -> tuple:
         partial = output if partial is None else partial + output
         if not self.closes_block:
-            return kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks
+            return kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks_and_obar
+        blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
         blocks = (*blocks, partial)
         blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps)
         if queries is not None:
             obar, lse = kernels.phase1(blocks, blocks_inv_rms, queries[self.next_block])
-        return kernels, materialize, queries, blocks_inv_rms, obar, lse, None, *blocks
+        return kernels, materialize, queries, blocks_inv_rms, lse, None, *blocks, *obar
 
     def sources(
-        self, kernels, materialize, queries, blocks_inv_rms, obar, lse, partial: torch.Tensor | None, *blocks
+        self, kernels, materialize, queries, blocks_inv_rms, lse, partial: torch.Tensor | None, *blocks_and_obar
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sources [b_0, ..., b_{n-1}, partial] stacked `[K, *tokens, D]`, and their inverse RMS `[K, *tokens]`."""
+        blocks, _ = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
         if partial is None:
             return torch.stack(blocks), blocks_inv_rms
         partial_inv_rms = inverse_rms(partial, self.eps).unsqueeze(0)
@@ -439,13 +457,11 @@ class SlidingWindowDepthAttention(DepthAttentionAblation):
         return torch.cat([sources[:1], sources[start:]]), torch.cat([inv_rms[:1], inv_rms[start:]])
 
     def absorb(self, output: torch.Tensor, *depth_state: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks = super().absorb(
-            output, *depth_state
-        )
-        if len(blocks) > self.window + 1:
+        kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks = super().absorb(output, *depth_state)
+        if len(blocks) > self.window + 1:  # an ablation's state holds no phase-1 rows: the trailing tensors are blocks
             blocks = [blocks[0], *blocks[-self.window :]]
             blocks_inv_rms = torch.cat([blocks_inv_rms[:1], blocks_inv_rms[-self.window :]])
-        return kernels, materialize, queries, blocks_inv_rms, obar, lse, partial, *blocks
+        return kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks
 
     def attention_weights(self, *depth_state: torch.Tensor | None) -> torch.Tensor:
         """The weights over all the sources the unwindowed step would see, zero outside the window."""

@@ -1,10 +1,14 @@
 """What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, in the same process.
 
 For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
-the MoE rows) and the workloads are timed with interleaved repetitions (baseline, standard, block, full, baseline,
-...), so machine noise hits every model alike; the table reports median times and their ratio to the baseline of
-the same run. In eager mode there is no separate warm-up: a slow first sample of every model is absorbed by the
-median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before timing.
+the MoE rows) and the workloads are timed in interleaved rounds (baseline, standard, block, full, baseline, ...),
+one sample of every model per round. The table reports each model's median time and its ratio to the baseline: the
+median over rounds of the model's time divided by the baseline's in the same round. The machine's speed drifts by
+more than the overheads measured (on the shared 2-core VM of the committed results, the baseline's training step
+ranged from 0.58 to 0.92 s within a minute and a half); models run back to back within a round, so a ratio per round cancels
+what drifts more slowly than a round, which a ratio of medians over the whole run does not. In eager mode there is
+no separate warm-up: a slow first sample of every model is absorbed by the median. Under `--compile` every model is
+compiled alike (`torch.compile(model)`) and compiled before timing.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
@@ -147,10 +151,10 @@ def decode_samples(runners: dict, models: dict, prompt: torch.Tensor, static_cac
 
 def measure_times(
     models: dict, repeats: int, seconds: dict[str, float], compile_models: bool
-) -> dict[str, dict[str, float]]:
-    """Median seconds per workload and model: interleaved runs of prefill and of the training step (at least
-    `repeats` each, more until `seconds[workload]` have passed: small shapes get many samples), and every decoded
-    token (`decode_samples`)."""
+) -> dict[str, dict[str, list[float]]]:
+    """Samples (seconds) per workload and model, in rounds: interleaved runs of prefill and of the training step (at
+    least `repeats` each, more until `seconds[workload]` have passed: small shapes get many samples), and every
+    decoded token (`decode_samples`). The i-th samples of all models form round i."""
     vocab = next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
@@ -182,8 +186,13 @@ def measure_times(
             while min(map(len, samples.values())) < repeats or time.perf_counter() - start < seconds[workload]:
                 for name, runner in runners.items():
                     samples[name].append(timed(function, runner, inputs[workload]))
-        results[workload] = {name: statistics.median(values) for name, values in samples.items()}
+        results[workload] = samples
     return results
+
+
+def paired_ratio(samples: list[float], baseline_samples: list[float]) -> float:
+    """The median over rounds of `samples[i] / baseline_samples[i]` (see the module docstring)."""
+    return statistics.median(x / y for x, y in zip(samples, baseline_samples, strict=True))
 
 
 class TensorMemoryPeak(TorchDispatchMode):
@@ -286,9 +295,10 @@ def main() -> None:
             times = measure_times(models, args.repeats, seconds, compile_models=execution == "compile")
             for name in models:
                 row = {"shape": shape, "mode": execution, "model": name}
-                for workload, medians in times.items():
-                    row[f"{workload}_s"] = medians[name]
-                    row[f"{workload}_ratio"] = medians[name] / medians[baseline]
+                for workload, samples in times.items():
+                    row[f"{workload}_s"] = statistics.median(samples[name])
+                    row[f"{workload}_ratio"] = paired_ratio(samples[name], samples[baseline])
+                    row[f"{workload}_rounds"] = len(samples[name])
                 for key, mib in memory.get(name, {}).items():
                     row[key] = mib
                     row[key.replace("_mib", "_ratio")] = mib / memory[baseline][key]

@@ -41,7 +41,10 @@ def built_extension():
 
 
 def separate_blocks_phase1(blocks_inv_rms, queries, *blocks):
-    return cpu.phase1(blocks, blocks_inv_rms, queries)
+    """`cpu.phase1` with the reference's signature: blocks stacked, `obar` returned stacked (it comes in rows)."""
+    obar, lse = cpu.phase1(blocks, blocks_inv_rms, queries)
+    assert isinstance(obar, tuple) and len(obar) == queries.shape[0]
+    return torch.stack(obar), lse
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -61,8 +64,27 @@ def test_phase1_matches_reference(shape, dtype):
         assert grad.dtype == x.dtype
         assert_matches(grad, ref_grad)
     with torch.no_grad():  # inference takes the forward kernel alone, which computes the same
-        no_grad_obar, no_grad_lse = cpu.phase1(stacked.unbind(0), blocks_inv_rms, queries)
+        no_grad_obar, no_grad_lse = separate_blocks_phase1(*inputs)
     assert torch.equal(no_grad_obar, obar) and torch.equal(no_grad_lse, lse)
+
+
+def test_phase1_backward_with_rows_left_unused():
+    """A row of `obar` that no loss reads gets no gradient (autograd hands the kernel zeros for it): the gradients
+    equal the reference's with that row's gradient zero."""
+    stacked, blocks_inv_rms, queries = phase1_inputs(3, 3, (2, 5), 40, torch.float32)
+    inputs = (blocks_inv_rms, queries, *stacked.unbind(0))
+    grad_obar, grad_lse = torch.randn(3, 2, 5, 40), torch.randn(3, 2, 5)
+    grad_obar[1] = 0
+
+    def rows_0_and_2(blocks_inv_rms, queries, *blocks):
+        obar, lse = cpu.phase1(blocks, blocks_inv_rms, queries)
+        return obar[0], obar[2], lse
+
+    _, kernel_grads = run_with_grads(rows_0_and_2, inputs, (grad_obar[0], grad_obar[2], grad_lse))
+    reference_inputs = (stacked, blocks_inv_rms, queries)
+    _, (ref_grad_blocks, *ref_grads) = run_with_grads(reference_phase1, reference_inputs, (grad_obar, grad_lse))
+    for grad, ref_grad in zip(kernel_grads, (*ref_grads, *ref_grad_blocks), strict=True):
+        assert_matches(grad, ref_grad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -120,7 +142,7 @@ def test_non_contiguous_inputs():
     blocks = torch.randn(3, 5, 2, 40).transpose(1, 2)
     queries = torch.randn(40, 4).T
     with torch.no_grad():
-        obar, lse = cpu.phase1(blocks.unbind(0), inverse_rms(blocks, EPS), queries)
+        obar, lse = separate_blocks_phase1(inverse_rms(blocks, EPS), queries, *blocks.unbind(0))
         ref_obar, ref_lse = reference_phase1(blocks, inverse_rms(blocks, EPS), queries)
         assert_matches(obar, ref_obar)
         assert_matches(lse, ref_lse)

@@ -1,8 +1,8 @@
-"""The overhead benchmark's allocator-independent memory measure (benchmarks/overhead.py)."""
+"""The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, paired time ratios."""
 
 import torch
 
-from benchmarks.overhead import TensorMemoryPeak
+from benchmarks.overhead import TensorMemoryPeak, paired_ratio
 
 
 def test_tensor_memory_peak_counts_live_storages_once():
@@ -18,3 +18,12 @@ def test_tensor_memory_peak_counts_live_storages_once():
     assert tensors.held == mib
     del third
     assert tensors.held == 0
+
+
+def test_paired_ratio_cancels_drift_between_rounds():
+    """The machine slows down 4x in round 3, between the baseline's sample and the model's: the ratio per round stays
+    1.1 in every other round, while the ratio of medians would compare a slow model with a fast baseline."""
+    baseline = [1.0, 1.0, 1.0, 4.0, 4.0]
+    model = [1.1, 1.1, 4.4, 4.4, 4.4]
+    assert abs(paired_ratio(model, baseline) - 1.1) < 1e-12
+    assert sorted(model)[2] / sorted(baseline)[2] == 4.4

@@ -290,7 +290,7 @@ def test_ablation_step_follows_its_definition(ablation, with_partial):
         expected = (weights[..., None] * sources).sum(0)
     with torch.no_grad():
         # The ablations' state: no gathered queries and no phase 1 (depth_mixing's module docstring).
-        state = (TORCH_KERNELS, False, None, blocks_inv_rms, None, None, partial, *blocks)
+        state = (TORCH_KERNELS, False, None, blocks_inv_rms, None, partial, *blocks)
         assert max_diff(module(*state), expected) <= 1e-5
         weights = module.attention_weights(*state)
     if ablation == "sliding_window":  # a column for every source of the unwindowed step, 0 outside the window

@@ -5,7 +5,8 @@
 // token, every PyTorch operation costs microseconds of dispatch whatever its size (and phase 2 runs 2L times per
 // token); in training, phase 1's backward pass as tensor operations sweeps every block several times. Here each
 // phase and pass is one call, and each token's rows are read while they sit in cache, on ATen's thread pool. The
-// layouts and saved values are `two_phase_torch`'s, so `attnres.kernels.cpu` plugs these in behind its API.
+// layouts are `two_phase_torch`'s, except that phase 1's output `obar` comes as one tensor per query (the form the
+// model's depth state holds), so `attnres.kernels.cpu` plugs these in behind its API.
 //
 // Numerics are the Triton kernels' (`phase1.py`, `phase2.py`): everything in fp32 whatever the input dtype, each
 // output rounded once to its dtype (with bf16 / fp16 inputs the unfused model also rounds the merged `h` and the
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -81,6 +83,73 @@ void normalize_backward(
   }
   const float coef = inv_rms * inv_rms * inv_rms * h_dot_gn * (1.f / static_cast<float>(n));
   for (int64_t i = 0; i < n; ++i) gh[i] = go[i] * w[i] * inv_rms - coef * h[i];
+}
+
+// Rows that one pass combines (`in_passes`): phase 1 mixes a token's N block rows into each query's output, and its
+// backward pass combines S query rows into each block's gradient. A pass per row would load and store the output
+// row once per input row; a pass over up to this many inputs does it once for all of them.
+constexpr int64_t kRowsPerPass = 4;
+
+// Calls `pass.template operator()<K, kAccumulate>(first)` for consecutive groups [first, first + K) of `count`
+// items, K <= kRowsPerPass, with `kAccumulate` false for the first group only (it writes its output, the others add
+// to it). K and `kAccumulate` are compile-time constants so that the compiler unrolls the group and vectorises along
+// the row (chosen at run time, it does neither).
+template <typename Pass>
+void in_passes(int64_t count, const Pass& pass) {
+  for (int64_t first = 0; first < count; first += kRowsPerPass) {
+    const auto run = [&](auto accumulate) {
+      constexpr bool kAccumulate = decltype(accumulate)::value;
+      switch (std::min(kRowsPerPass, count - first)) {
+        case 1: return pass.template operator()<1, kAccumulate>(first);
+        case 2: return pass.template operator()<2, kAccumulate>(first);
+        case 3: return pass.template operator()<3, kAccumulate>(first);
+        default: return pass.template operator()<4, kAccumulate>(first);
+      }
+    };
+    if (first == 0) {
+      run(std::false_type{});
+    } else {
+      run(std::true_type{});
+    }
+  }
+}
+
+// One pass of phase 1's mix for one query: `out (=|+=) sum_k w_k v_k` over K block rows.
+template <int64_t K, bool Accumulate>
+void mix_pass(const float* const* v, const float* w, int64_t n, float* out) {
+  // The rows `v` and `out` are distinct, which the compiler cannot prove through the pointer array.
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float total = Accumulate ? out[i] : 0.f;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) total += w[k] * v[k][i];
+    out[i] = total;
+  }
+}
+
+// One pass of phase 1's backward pass for one block row `v` and K queries:
+// `grad_row (=|+=) sum_k p_k go_k + c_k q_k` and `grad_q_k += c_k v`.
+template <int64_t K, bool Accumulate>
+void block_row_backward_pass(
+    const float* const* go,
+    const float* const* q,
+    const float* p,
+    const float* c,
+    const float* v,
+    int64_t n,
+    float* const* grad_q,
+    float* grad_row) {
+  // The rows `go`, `q`, `grad_q`, `v` and `grad_row` are distinct (see `mix_pass`).
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float total = Accumulate ? grad_row[i] : 0.f;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; ++k) {
+      total += p[k] * go[k][i] + c[k] * q[k][i];
+      grad_q[k][i] += c[k] * v[i];
+    }
+    grad_row[i] = total;
+  }
 }
 
 void check_fp32(const at::Tensor& x, const char* name) {
@@ -177,7 +246,10 @@ std::vector<at::Tensor> phase2_rms_norm(
 }
 
 // `two_phase.phase1` over the completed blocks given separately, with the softmax weights and raw scores its
-// backward pass reuses: `(obar [S, *tokens, D], lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens])`.
+// backward pass reuses: `(lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens], obar_0, ..., obar_{S-1})`.
+// `obar` comes as S separate `[*tokens, D]` rows, one per query: each row is read by one sublayer's step, so each
+// step's gradient arrives in the backward pass as a row of its own, not scattered into a zero-filled `[S, *tokens,
+// D]` that autograd would then sum over the S steps.
 std::vector<at::Tensor> phase1(
     const std::vector<at::Tensor>& blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries) {
   TORCH_CHECK(!blocks.empty(), "phase 1 needs at least one block");
@@ -200,25 +272,25 @@ std::vector<at::Tensor> phase1(
   std::vector<int64_t> lse_shape{num_queries}, score_shape{num_blocks, num_queries};
   lse_shape.insert(lse_shape.end(), token_shape.begin(), token_shape.end());
   score_shape.insert(score_shape.end(), token_shape.begin(), token_shape.end());
-  auto obar_shape = lse_shape;
-  obar_shape.push_back(hidden);
   const auto fp32 = first.options().dtype(at::kFloat);
-  auto obar = at::empty(obar_shape, fp32);
-  auto lse = at::empty(lse_shape, fp32);
-  auto weights = at::empty(score_shape, fp32);
-  auto raw = at::empty(score_shape, fp32);
+  std::vector<at::Tensor> result{
+      at::empty(lse_shape, fp32), at::empty(score_shape, fp32), at::empty(score_shape, fp32)};
+  std::vector<float*> obar_p;
+  for (int64_t s = 0; s < num_queries; ++s) {
+    result.push_back(at::empty(first.sizes(), fp32));
+    obar_p.push_back(result.back().data_ptr<float>());
+  }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, first.scalar_type(), "phase1", [&] {
     std::vector<const scalar_t*> block_p;
     for (const auto& block : blocks_c) block_p.push_back(block.data_ptr<scalar_t>());
     const float* inv_rms_p = inv_rms_c.data_ptr<float>();
     const float* queries_p = queries_c.data_ptr<float>();
-    float* obar_p = obar.data_ptr<float>();
-    float* lse_p = lse.data_ptr<float>();
-    float* weights_p = weights.data_ptr<float>();
-    float* raw_p = raw.data_ptr<float>();
+    float* lse_p = result[0].data_ptr<float>();
+    float* weights_p = result[1].data_ptr<float>();
+    float* raw_p = result[2].data_ptr<float>();
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(num_blocks * hidden), logits(num_blocks * num_queries);
+      std::vector<float> scratch(num_blocks * hidden), logits(num_blocks * num_queries), mix(num_blocks);
       std::vector<const float*> rows(num_blocks);
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t n = 0; n < num_blocks; ++n) {
@@ -239,22 +311,19 @@ std::vector<at::Tensor> phase1(
             total += logit;
           }
           lse_p[s * tokens + t] = peak + std::log(total);
-          float* o = obar_p + (s * tokens + t) * hidden;
           for (int64_t n = 0; n < num_blocks; ++n) {
-            const float weight = logits[n * num_queries + s] / total;
-            weights_p[(n * num_queries + s) * tokens + t] = weight;
-            const float* v = rows[n];
-            if (n == 0) {
-              for (int64_t i = 0; i < hidden; ++i) o[i] = weight * v[i];
-            } else {
-              for (int64_t i = 0; i < hidden; ++i) o[i] += weight * v[i];
-            }
+            mix[n] = logits[n * num_queries + s] / total;
+            weights_p[(n * num_queries + s) * tokens + t] = mix[n];
           }
+          float* o = obar_p[s] + t * hidden;
+          in_passes(num_blocks, [&]<int64_t K, bool kAccumulate>(int64_t n) {
+            mix_pass<K, kAccumulate>(rows.data() + n, mix.data() + n, hidden, o);
+          });
         }
       }
     });
   });
-  return {obar, lse, weights, raw};
+  return result;
 }
 
 // Splits `tokens` into a fixed number of chunks (at most one per thread) so that sums over tokens are accumulated
@@ -334,17 +403,19 @@ std::vector<at::Tensor> phase1_rms_norm_backward(
   return {grad_obar, grad_weight_chunks.sum(0).to(norm_weight.scalar_type())};
 }
 
-// The backward pass of `phase1`, as `two_phase_torch._Phase1.backward` derives it. Per token, with p the weights,
-// r the blocks' inverse RMS and `delta_s = go_s . obar_s`: `ds = p (go . b - delta + gl)`,
-// `d b_n = sum_s p_ns go_s + ds_ns r_n w_s`, `d r_n = sum_s ds_ns raw_ns`, `d w_s = sum_{tokens, n} ds_ns r_n b_n`.
+// The backward pass of `phase1`, as `two_phase_torch._Phase1.backward` derives it, from the gradients of phase 1's
+// S `obar` rows and of `lse`. Per token, with p the weights, r the blocks' inverse RMS, `g_ns = go_s . b_n` and
+// `delta_s = go_s . obar_s = sum_n p_ns g_ns`: `ds = p (g - delta + gl)`, `d b_n = sum_s p_ns go_s + ds_ns r_n w_s`,
+// `d r_n = sum_s ds_ns raw_ns`, `d w_s = sum_{tokens, n} ds_ns r_n b_n`. `delta` comes from the same dot products
+// as `g` instead of from `obar`, which is then never read back: a token's N block rows are read twice from cache,
+// S rows of `obar` would be read from memory.
 // Returns `(grad_inv_rms [N, *tokens], grad_queries [S, D], grad_blocks...)`, each block's gradient in its dtype.
 std::vector<at::Tensor> phase1_backward(
-    const at::Tensor& grad_obar,
+    const std::vector<at::Tensor>& grad_obar,
     const at::Tensor& grad_lse,
     const std::vector<at::Tensor>& blocks,
     const at::Tensor& blocks_inv_rms,
     const at::Tensor& queries,
-    const at::Tensor& obar,
     const at::Tensor& weights,
     const at::Tensor& raw) {
   const auto& first = blocks.front();
@@ -352,8 +423,11 @@ std::vector<at::Tensor> phase1_backward(
   const int64_t num_queries = queries.size(0);
   const int64_t hidden = first.size(-1);
   const int64_t tokens = first.numel() / hidden;
-  const auto go_c = grad_obar.to(at::kFloat).contiguous(), gl_c = grad_lse.to(at::kFloat).contiguous();
-  const auto inv_rms_c = blocks_inv_rms.contiguous(), queries_c = queries.contiguous(), obar_c = obar.contiguous();
+  TORCH_CHECK(static_cast<int64_t>(grad_obar.size()) == num_queries, "grad_obar must hold a row per query");
+  std::vector<at::Tensor> go_c;
+  for (const auto& grad : grad_obar) go_c.push_back(grad.to(at::kFloat).contiguous());
+  const auto gl_c = grad_lse.to(at::kFloat).contiguous();
+  const auto inv_rms_c = blocks_inv_rms.contiguous(), queries_c = queries.contiguous();
   const auto weights_c = weights.contiguous(), raw_c = raw.contiguous();
   std::vector<at::Tensor> blocks_c, grad_blocks;
   for (const auto& block : blocks) {
@@ -371,44 +445,58 @@ std::vector<at::Tensor> phase1_backward(
       block_p.push_back(blocks_c[n].data_ptr<scalar_t>());
       grad_block_p.push_back(grad_blocks[n].data_ptr<scalar_t>());
     }
-    const float* go_p = go_c.data_ptr<float>();
+    std::vector<const float*> go_p;
+    for (const auto& grad : go_c) go_p.push_back(grad.data_ptr<float>());
     const float* gl_p = gl_c.data_ptr<float>();
     const float* inv_rms_p = inv_rms_c.data_ptr<float>();
     const float* queries_p = queries_c.data_ptr<float>();
-    const float* obar_p = obar_c.data_ptr<float>();
     const float* weights_p = weights_c.data_ptr<float>();
     const float* raw_p = raw_c.data_ptr<float>();
     float* grad_inv_rms_p = grad_inv_rms.data_ptr<float>();
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
-      std::vector<float> scratch(hidden), grad_row(hidden), delta(num_queries), ds(num_queries);
+      std::vector<float> scratch(num_blocks * hidden), grad_row_scratch(hidden), dots(num_blocks * num_queries);
+      std::vector<float> delta(num_queries), p(num_queries), coef(num_queries);
+      std::vector<const float*> rows(num_blocks), go(num_queries), query_rows(num_queries);
+      std::vector<float*> grad_q_rows(num_queries);
       float* grad_q = grad_queries_chunks.data_ptr<float>() + chunk * num_queries * hidden;
+      for (int64_t s = 0; s < num_queries; ++s) {
+        query_rows[s] = queries_p + s * hidden;
+        grad_q_rows[s] = grad_q + s * hidden;
+      }
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t s = 0; s < num_queries; ++s) {
-          const int64_t row = (s * tokens + t) * hidden;
-          delta[s] = dot(go_p + row, obar_p + row, hidden);
+        for (int64_t s = 0; s < num_queries; ++s) go[s] = go_p[s] + t * hidden;
+        std::fill(delta.begin(), delta.end(), 0.f);
+        for (int64_t n = 0; n < num_blocks; ++n) {
+          rows[n] = fp32_row(block_p[n] + t * hidden, hidden, scratch.data() + n * hidden);
+          for (int64_t s = 0; s < num_queries; ++s) {
+            const float g = dot(go[s], rows[n], hidden);
+            dots[n * num_queries + s] = g;
+            delta[s] += weights_p[(n * num_queries + s) * tokens + t] * g;
+          }
         }
         for (int64_t n = 0; n < num_blocks; ++n) {
-          const float* v = fp32_row(block_p[n] + t * hidden, hidden, scratch.data());
           const float r = inv_rms_p[n * tokens + t];
           float grad_r = 0.f;
-          std::fill(grad_row.begin(), grad_row.end(), 0.f);
           for (int64_t s = 0; s < num_queries; ++s) {
             const int64_t score = (n * num_queries + s) * tokens + t;
-            const float* go = go_p + (s * tokens + t) * hidden;
-            const float p = weights_p[score];
-            ds[s] = p * (dot(go, v, hidden) - delta[s] + gl_p[s * tokens + t]);
-            grad_r += ds[s] * raw_p[score];
-            const float coef = ds[s] * r;
-            const float* q = queries_p + s * hidden;
-            float* gq = grad_q + s * hidden;
-            for (int64_t i = 0; i < hidden; ++i) {
-              grad_row[i] += p * go[i] + coef * q[i];
-              gq[i] += coef * v[i];
-            }
+            p[s] = weights_p[score];
+            const float ds = p[s] * (dots[n * num_queries + s] - delta[s] + gl_p[s * tokens + t]);
+            grad_r += ds * raw_p[score];
+            coef[s] = ds * r;
           }
           grad_inv_rms_p[n * tokens + t] = grad_r;
           scalar_t* grad_b = grad_block_p[n] + t * hidden;
-          for (int64_t i = 0; i < hidden; ++i) grad_b[i] = static_cast<scalar_t>(grad_row[i]);
+          // fp32 blocks take their gradient in place; others take it in fp32 first, rounded once below.
+          float* grad_row =
+              std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(grad_b) : grad_row_scratch.data();
+          in_passes(num_queries, [&]<int64_t K, bool kAccumulate>(int64_t s) {
+            block_row_backward_pass<K, kAccumulate>(
+                go.data() + s, query_rows.data() + s, p.data() + s, coef.data() + s, rows[n], hidden,
+                grad_q_rows.data() + s, grad_row);
+          });
+          if constexpr (!std::is_same_v<scalar_t, float>) {
+            for (int64_t i = 0; i < hidden; ++i) grad_b[i] = static_cast<scalar_t>(grad_row[i]);
+          }
         }
       }
     });

@@ -57,17 +57,19 @@ def extension():
 
 
 class _Phase1(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, *blocks: torch.Tensor):
-        obar, lse, weights, raw = extension().phase1(list(blocks), blocks_inv_rms, queries)
-        ctx.save_for_backward(blocks_inv_rms, queries, obar, weights, raw, *blocks)
-        return obar, lse
+    """`obar` as S separate outputs, so that each step's gradient for its row reaches the backward pass as it is."""
 
     @staticmethod
-    def backward(ctx, grad_obar: torch.Tensor, grad_lse: torch.Tensor):
-        blocks_inv_rms, queries, obar, weights, raw, *blocks = ctx.saved_tensors
-        saved = (blocks, blocks_inv_rms, queries, obar, weights, raw)
-        return tuple(extension().phase1_backward(grad_obar, grad_lse, *saved))
+    def forward(ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, *blocks: torch.Tensor):
+        lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries)
+        ctx.save_for_backward(blocks_inv_rms, queries, weights, raw, *blocks)
+        return lse, *obar
+
+    @staticmethod
+    def backward(ctx, grad_lse: torch.Tensor, *grad_obar: torch.Tensor):
+        blocks_inv_rms, queries, weights, raw, *blocks = ctx.saved_tensors
+        saved = (blocks, blocks_inv_rms, queries, weights, raw)
+        return tuple(extension().phase1_backward(list(grad_obar), grad_lse, *saved))
 
 
 class _Phase2RMSNorm(torch.autograd.Function):
@@ -88,14 +90,17 @@ class _Phase2RMSNorm(torch.autograd.Function):
 
 def phase1(
     blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`two_phase_torch.phase1`: `(obar [S, *tokens, D], lse [S, *tokens])`, fp32."""
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """`two_phase_torch.phase1` with `obar` as its S rows: `((obar_0, ..., obar_{S-1}), lse [S, *tokens])`, fp32,
+    each row `[*tokens, D]` (see `depth_mixing.DepthKernels`)."""
     if torch.compiler.is_compiling():
-        return two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
+        obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
+        return obar.unbind(0), lse
     if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
-        return _Phase1.apply(blocks_inv_rms, queries, *blocks)
-    obar, lse, _, _ = extension().phase1(list(blocks), blocks_inv_rms, queries)
-    return obar, lse
+        lse, *obar = _Phase1.apply(blocks_inv_rms, queries, *blocks)
+    else:
+        lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries)
+    return tuple(obar), lse
 
 
 class _AppendInverseRMS(torch.autograd.Function):
