@@ -170,7 +170,9 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
             raise
         return TORCH_KERNELS
     return DepthKernels(
-        _in_rows(kernel_phase1, stack_blocks=True), torch_phase1_rms_norm, kernel_phase2_rms_norm,
+        _in_rows(kernel_phase1, stack_blocks=True),
+        torch_phase1_rms_norm,
+        kernel_phase2_rms_norm,
         torch_append_inverse_rms,
     )
 
