@@ -95,13 +95,21 @@ def initial_depth_state(
     return kernels, materialize, queries, blocks_inv_rms, lse, None, inputs_embeds, *obar
 
 
-def _in_rows(phase1: Callable, stack_blocks: bool = False) -> Callable:
-    """A phase 1 that returns `obar` stacked `[S, *tokens, D]`, returning it as its S rows (`DepthKernels.phase1`).
-    With `stack_blocks`, for the Triton kernel, which reads the blocks as one `[N, *tokens, D]` tensor: the stack is
-    one extra pass over the blocks per block, not per sublayer."""
+def _stacked_phase1(kernel: Callable) -> Callable:
+    """The Triton phase 1, which reads the blocks as one `[N, *tokens, D]` tensor, behind `two_phase_torch.phase1`'s
+    signature (blocks given separately). The stack is one extra pass over the blocks per block, not per sublayer."""
+
+    def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        return kernel(torch.stack(blocks), blocks_inv_rms, queries)
+
+    return phase1
+
+
+def _in_rows(phase1: Callable) -> Callable:
+    """A phase 1 that returns `obar` stacked `[S, *tokens, D]`, returning it as its S rows (`DepthKernels.phase1`)."""
 
     def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-        obar, lse = phase1(torch.stack(blocks) if stack_blocks else blocks, blocks_inv_rms, queries)
+        obar, lse = phase1(blocks, blocks_inv_rms, queries)
         return obar.unbind(0), lse
 
     return phase1_rows
@@ -170,7 +178,7 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
             raise
         return TORCH_KERNELS
     return DepthKernels(
-        _in_rows(kernel_phase1, stack_blocks=True),
+        _in_rows(_stacked_phase1(kernel_phase1)),
         torch_phase1_rms_norm,
         kernel_phase2_rms_norm,
         torch_append_inverse_rms,
