@@ -87,11 +87,14 @@ def initial_depth_state(
     if mode in ("hc", "mhc"):
         return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
     kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel)
-    blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
-    obar, lse = (), None
-    if queries is not None:
-        first_block = slice(0, min(config.depth_block_size, config.num_sublayers))
-        obar, lse = kernels.phase1((inputs_embeds,), blocks_inv_rms, queries[first_block])
+    if queries is None:
+        blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
+        return kernels, materialize, queries, blocks_inv_rms, None, None, inputs_embeds
+    # The embedding closes block b_0: its inverse RMS is appended to none.
+    no_blocks_inv_rms = inputs_embeds.new_empty((0, *inputs_embeds.shape[:-1]), dtype=torch.float32)
+    first_block = queries[: min(config.depth_block_size, config.num_sublayers)]
+    embeds = (inputs_embeds,)
+    blocks_inv_rms, obar, lse = kernels.close_block(embeds, no_blocks_inv_rms, first_block, config.rms_norm_eps)
     return kernels, materialize, queries, blocks_inv_rms, lse, None, inputs_embeds, *obar
 
 
@@ -117,15 +120,31 @@ def _in_rows(phase1: Callable) -> Callable:
 
 class DepthKernels(NamedTuple):
     """The implementations of the two-phase form's operations: `two_phase_torch`'s functions and signatures, except
-    that `phase1` returns `obar` as a tuple of its S rows `[*tokens, D]`, the form the depth state holds."""
+    that `phase1` returns `obar` as a tuple of its S rows `[*tokens, D]`, the form the depth state holds, and
+    `close_block(blocks, blocks_inv_rms, queries, eps)`, what a step that closes a block computes: the newest block's
+    inverse RMS appended to `blocks_inv_rms`, then phase 1 over all blocks, `(blocks_inv_rms, obar rows, lse)` (the
+    CPU kernel does both in one pass over the blocks)."""
 
     phase1: Callable
     phase1_rms_norm: Callable
     phase2_rms_norm: Callable
     append_inverse_rms: Callable
+    close_block: Callable
+
+    @classmethod
+    def unfused(
+        cls, phase1: Callable, phase1_rms_norm: Callable, phase2_rms_norm: Callable, append_inverse_rms: Callable
+    ) -> "DepthKernels":
+        """These operations, with `close_block` composed of `append_inverse_rms` and `phase1`."""
+
+        def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps):
+            blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
+            return blocks_inv_rms, *phase1(blocks, blocks_inv_rms, queries)
+
+        return cls(phase1, phase1_rms_norm, phase2_rms_norm, append_inverse_rms, close_block)
 
 
-TORCH_KERNELS = DepthKernels(
+TORCH_KERNELS = DepthKernels.unfused(
     _in_rows(torch_phase1), torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms
 )
 
@@ -164,7 +183,8 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
         except ImportError:
             cpu = None
         if cpu is not None and cpu.extension() is not None:
-            return DepthKernels(cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms)
+            fused = (cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms, cpu.close_block)
+            return DepthKernels(*fused)
         if override == "cpu":
             raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
         return TORCH_KERNELS
@@ -177,7 +197,7 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
         if override == "triton":
             raise
         return TORCH_KERNELS
-    return DepthKernels(
+    return DepthKernels.unfused(
         _in_rows(_stacked_phase1(kernel_phase1)),
         torch_phase1_rms_norm,
         kernel_phase2_rms_norm,
@@ -349,9 +369,10 @@ class DepthAttention(nn.Module):
             return kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks_and_obar
         blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
         blocks = (*blocks, partial)
-        blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps)
-        if queries is not None:
-            obar, lse = kernels.phase1(blocks, blocks_inv_rms, queries[self.next_block])
+        if queries is None:
+            blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps)
+        else:
+            blocks_inv_rms, obar, lse = kernels.close_block(blocks, blocks_inv_rms, queries[self.next_block], self.eps)
         return kernels, materialize, queries, blocks_inv_rms, lse, None, *blocks, *obar
 
     def sources(

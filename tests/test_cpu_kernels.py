@@ -87,6 +87,56 @@ def test_phase1_backward_with_rows_left_unused():
         assert_matches(grad, ref_grad)
 
 
+def closed_block(blocks_inv_rms, queries, *blocks):
+    """`cpu.close_block` with `obar` stacked."""
+    appended, obar, lse = cpu.close_block(blocks, blocks_inv_rms, queries, EPS)
+    return appended, torch.stack(obar), lse
+
+
+def reference_closed_block(blocks_inv_rms, queries, *blocks):
+    """`close_block` as the reference's operations: `append_inverse_rms`, then phase 1 over all blocks."""
+    appended = torch.cat([blocks_inv_rms, inverse_rms(blocks[-1], EPS).unsqueeze(0)])
+    return appended, *reference_phase1(torch.stack(blocks), appended, queries)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CPU_PHASE1_SHAPES, ids=str)
+def test_close_block_matches_append_then_phase1(shape, dtype):
+    """The newest block's inverse RMS, computed in phase 1's pass over the blocks and appended; in the backward pass
+    its gradient (from the steps that read the returned `blocks_inv_rms`, and from phase 1's own scores) reaches the
+    newest block in the pass that writes that block's gradient."""
+    stacked, blocks_inv_rms, queries = phase1_inputs(*shape, dtype)
+    inputs = (blocks_inv_rms[:-1], queries, *stacked.unbind(0))
+    num_blocks, num_queries, tokens, hidden = shape
+    grads = (
+        torch.randn(num_blocks, *tokens),
+        torch.randn(num_queries, *tokens, hidden),
+        torch.randn(num_queries, *tokens),
+    )
+    outputs, kernel_grads = run_with_grads(closed_block, inputs, grads)
+    fp32 = (blocks_inv_rms[:-1], queries, *stacked.float().unbind(0))
+    ref_outputs, ref_grads = run_with_grads(reference_closed_block, fp32, grads)
+    for output, ref_output in zip(outputs, ref_outputs, strict=True):
+        assert_matches(output, ref_output)
+    for x, grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
+        assert grad.dtype == x.dtype
+        assert_matches(grad, ref_grad)
+    with torch.no_grad():
+        no_grad_outputs = closed_block(*inputs)
+    assert all(torch.equal(x, y) for x, y in zip(no_grad_outputs, outputs, strict=True))
+
+
+def test_close_block_with_its_blocks_inv_rms_left_unused():
+    """Where nothing reads the returned `blocks_inv_rms` (autograd hands the backward pass `None` for it)."""
+    stacked, blocks_inv_rms, queries = phase1_inputs(3, 2, (2, 5), 40, torch.float32)
+    inputs = (blocks_inv_rms[:-1], queries, *stacked.unbind(0))
+    grads = (torch.randn(2, 2, 5, 40), torch.randn(2, 2, 5))
+    _, kernel_grads = run_with_grads(lambda *x: closed_block(*x)[1:], inputs, grads)
+    _, ref_grads = run_with_grads(lambda *x: reference_closed_block(*x)[1:], inputs, grads)
+    for grad, ref_grad in zip(kernel_grads, ref_grads, strict=True):
+        assert_matches(grad, ref_grad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100), ((70,), 36)], ids=str)
 def test_phase2_rms_norm_matches_reference(tokens, hidden, dtype):

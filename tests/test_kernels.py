@@ -191,7 +191,8 @@ def kernel_kind(kernels: DepthKernels) -> str:
     if kernels.phase2_rms_norm is phase2_rms_norm:
         return "triton"
     if kernels.phase2_rms_norm is cpu.phase2_rms_norm:
-        assert kernels == (cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms)
+        fused = (cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms, cpu.close_block)
+        assert kernels == fused
         return "cpu"
     assert kernels == TORCH_KERNELS
     return "torch"

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -246,12 +247,20 @@ std::vector<at::Tensor> phase2_rms_norm(
 }
 
 // `two_phase.phase1` over the completed blocks given separately, with the softmax weights and raw scores its
-// backward pass reuses: `(lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens], obar_0, ..., obar_{S-1})`.
-// `obar` comes as S separate `[*tokens, D]` rows, one per query: each row is read by one sublayer's step, so each
-// step's gradient arrives in the backward pass as a row of its own, not scattered into a zero-filled `[S, *tokens,
-// D]` that autograd would then sum over the S steps.
+// backward pass reuses: `(blocks_inv_rms, lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens], obar_0,
+// ..., obar_{S-1})`. `obar` comes as S separate `[*tokens, D]` rows, one per query: each row is read by one sublayer's
+// step, so each step's gradient arrives in the backward pass as a row of its own, not scattered into a zero-filled
+// `[S, *tokens, D]` that autograd would then sum over the S steps.
+//
+// With `append_eps`, `blocks_inv_rms` holds the inverse RMS of all blocks but the newest (`[N - 1, *tokens]`): phase 1
+// computes the newest one's (`append_inverse_rms` with that eps) from the rows it reads anyway and returns
+// `blocks_inv_rms` with it appended, so the block that has just closed is read once, not once more by a pass of its
+// own. Without, `blocks_inv_rms` holds all N rows and is returned as given.
 std::vector<at::Tensor> phase1(
-    const std::vector<at::Tensor>& blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries) {
+    const std::vector<at::Tensor>& blocks,
+    const at::Tensor& blocks_inv_rms,
+    const at::Tensor& queries,
+    std::optional<double> append_eps) {
   TORCH_CHECK(!blocks.empty(), "phase 1 needs at least one block");
   check_fp32(blocks_inv_rms, "blocks_inv_rms");
   check_fp32(queries, "queries");
@@ -261,40 +270,53 @@ std::vector<at::Tensor> phase1(
   const int64_t hidden = first.size(-1);
   const int64_t tokens = first.numel() / hidden;
   TORCH_CHECK(queries.dim() == 2 && queries.size(1) == hidden, "queries must be [S, hidden]");
-  TORCH_CHECK(blocks_inv_rms.numel() == num_blocks * tokens, "blocks_inv_rms must be [N, *tokens]");
+  const bool appends = append_eps.has_value();
+  TORCH_CHECK(
+      blocks_inv_rms.numel() == (appends ? num_blocks - 1 : num_blocks) * tokens,
+      appends ? "blocks_inv_rms must be [N - 1, *tokens] (the newest block's is appended)"
+              : "blocks_inv_rms must be [N, *tokens]");
   std::vector<at::Tensor> blocks_c;
   for (const auto& block : blocks) {
     TORCH_CHECK(block.sizes() == first.sizes() && block.scalar_type() == first.scalar_type(), "blocks must match");
     blocks_c.push_back(block.contiguous());
   }
-  const auto inv_rms_c = blocks_inv_rms.contiguous(), queries_c = queries.contiguous();
+  const auto queries_c = queries.contiguous();
   const auto token_shape = first.sizes().slice(0, first.dim() - 1);
-  std::vector<int64_t> lse_shape{num_queries}, score_shape{num_blocks, num_queries};
-  lse_shape.insert(lse_shape.end(), token_shape.begin(), token_shape.end());
-  score_shape.insert(score_shape.end(), token_shape.begin(), token_shape.end());
+  std::vector<int64_t> inv_rms_shape{num_blocks}, lse_shape{num_queries}, score_shape{num_blocks, num_queries};
+  for (auto* shape : {&inv_rms_shape, &lse_shape, &score_shape}) {
+    shape->insert(shape->end(), token_shape.begin(), token_shape.end());
+  }
   const auto fp32 = first.options().dtype(at::kFloat);
+  at::Tensor inv_rms_c = blocks_inv_rms.contiguous();
+  if (appends) {
+    inv_rms_c = at::empty(inv_rms_shape, fp32);
+    inv_rms_c.narrow(0, 0, num_blocks - 1).copy_(blocks_inv_rms);
+  }
   std::vector<at::Tensor> result{
-      at::empty(lse_shape, fp32), at::empty(score_shape, fp32), at::empty(score_shape, fp32)};
+      inv_rms_c, at::empty(lse_shape, fp32), at::empty(score_shape, fp32), at::empty(score_shape, fp32)};
   std::vector<float*> obar_p;
   for (int64_t s = 0; s < num_queries; ++s) {
     result.push_back(at::empty(first.sizes(), fp32));
     obar_p.push_back(result.back().data_ptr<float>());
   }
 
+  const float eps_f = static_cast<float>(append_eps.value_or(0.0));
+
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, first.scalar_type(), "phase1", [&] {
     std::vector<const scalar_t*> block_p;
     for (const auto& block : blocks_c) block_p.push_back(block.data_ptr<scalar_t>());
-    const float* inv_rms_p = inv_rms_c.data_ptr<float>();
+    float* inv_rms_p = inv_rms_c.data_ptr<float>();
     const float* queries_p = queries_c.data_ptr<float>();
-    float* lse_p = result[0].data_ptr<float>();
-    float* weights_p = result[1].data_ptr<float>();
-    float* raw_p = result[2].data_ptr<float>();
+    float* lse_p = result[1].data_ptr<float>();
+    float* weights_p = result[2].data_ptr<float>();
+    float* raw_p = result[3].data_ptr<float>();
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(num_blocks * hidden), logits(num_blocks * num_queries), mix(num_blocks);
       std::vector<const float*> rows(num_blocks);
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t n = 0; n < num_blocks; ++n) {
           rows[n] = fp32_row(block_p[n] + t * hidden, hidden, scratch.data() + n * hidden);
+          if (appends && n == num_blocks - 1) inv_rms_p[n * tokens + t] = inverse_rms(rows[n], hidden, eps_f);
           for (int64_t s = 0; s < num_queries; ++s) {
             const float score = dot(rows[n], queries_p + s * hidden, hidden);
             raw_p[(n * num_queries + s) * tokens + t] = score;
@@ -409,7 +431,13 @@ std::vector<at::Tensor> phase1_rms_norm_backward(
 // `d r_n = sum_s ds_ns raw_ns`, `d w_s = sum_{tokens, n} ds_ns r_n b_n`. `delta` comes from the same dot products
 // as `g` instead of from `obar`, which is then never read back: a token's N block rows are read twice from cache,
 // S rows of `obar` would be read from memory.
-// Returns `(grad_inv_rms [N, *tokens], grad_queries [S, D], grad_blocks...)`, each block's gradient in its dtype.
+//
+// When the forward pass appended the newest block's inverse RMS (`appended`), `grad_appended` is the gradient of the
+// `[N, *tokens]` it returned (`None` where nothing read it): it adds to `d r`, and the newest block's `d r` goes into
+// that block's gradient as `append_inverse_rms`'s backward pass would, `d b_{N-1} -= d r_{N-1} r^3 b_{N-1} / D`, in
+// the pass that writes the block's gradient anyway.
+// Returns `(grad_inv_rms [N or N - 1, *tokens], grad_queries [S, D], grad_blocks...)`, each block's gradient in its
+// dtype.
 std::vector<at::Tensor> phase1_backward(
     const std::vector<at::Tensor>& grad_obar,
     const at::Tensor& grad_lse,
@@ -417,7 +445,9 @@ std::vector<at::Tensor> phase1_backward(
     const at::Tensor& blocks_inv_rms,
     const at::Tensor& queries,
     const at::Tensor& weights,
-    const at::Tensor& raw) {
+    const at::Tensor& raw,
+    bool appended,
+    const std::optional<at::Tensor>& grad_appended) {
   const auto& first = blocks.front();
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   const int64_t num_queries = queries.size(0);
@@ -434,7 +464,11 @@ std::vector<at::Tensor> phase1_backward(
     blocks_c.push_back(block.contiguous());
     grad_blocks.push_back(at::empty_like(blocks_c.back()));
   }
-  auto grad_inv_rms = at::empty_like(inv_rms_c);
+  const int64_t kept_rows = appended ? num_blocks - 1 : num_blocks;  // the rows of `blocks_inv_rms` given as input
+  auto grad_inv_rms = at::empty_like(inv_rms_c.narrow(0, 0, kept_rows));
+  const auto grad_appended_c =
+      appended && grad_appended.has_value() ? grad_appended->to(at::kFloat).contiguous() : at::Tensor();
+  const float inv_hidden = 1.f / static_cast<float>(hidden);
   const int64_t chunks = num_chunks(tokens);
   auto grad_queries_chunks = at::zeros({chunks, num_queries, hidden}, queries_c.options());
 
@@ -453,6 +487,7 @@ std::vector<at::Tensor> phase1_backward(
     const float* weights_p = weights_c.data_ptr<float>();
     const float* raw_p = raw_c.data_ptr<float>();
     float* grad_inv_rms_p = grad_inv_rms.data_ptr<float>();
+    const float* grad_appended_p = grad_appended_c.defined() ? grad_appended_c.data_ptr<float>() : nullptr;
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::vector<float> scratch(num_blocks * hidden), grad_row_scratch(hidden), dots(num_blocks * num_queries);
       std::vector<float> delta(num_queries), p(num_queries), coef(num_queries);
@@ -484,7 +519,8 @@ std::vector<at::Tensor> phase1_backward(
             grad_r += ds * raw_p[score];
             coef[s] = ds * r;
           }
-          grad_inv_rms_p[n * tokens + t] = grad_r;
+          if (grad_appended_p != nullptr) grad_r += grad_appended_p[n * tokens + t];
+          if (n < kept_rows) grad_inv_rms_p[n * tokens + t] = grad_r;
           scalar_t* grad_b = grad_block_p[n] + t * hidden;
           // fp32 blocks take their gradient in place; others take it in fp32 first, rounded once below.
           float* grad_row =
@@ -494,6 +530,10 @@ std::vector<at::Tensor> phase1_backward(
                 go.data() + s, query_rows.data() + s, p.data() + s, coef.data() + s, rows[n], hidden,
                 grad_q_rows.data() + s, grad_row);
           });
+          if (n >= kept_rows) {  // the appended row: `r = (mean(b^2) + eps)^(-1/2)`, so `dr/db = -r^3 b / D`
+            const float block_coef = grad_r * r * r * r * inv_hidden;
+            for (int64_t i = 0; i < hidden; ++i) grad_row[i] -= block_coef * rows[n][i];
+          }
           if constexpr (!std::is_same_v<scalar_t, float>) {
             for (int64_t i = 0; i < hidden; ++i) grad_b[i] = static_cast<scalar_t>(grad_row[i]);
           }

@@ -57,19 +57,27 @@ def extension():
 
 
 class _Phase1(torch.autograd.Function):
-    """`obar` as S separate outputs, so that each step's gradient for its row reaches the backward pass as it is."""
+    """`obar` as S separate outputs, so that each step's gradient for its row reaches the backward pass as it is.
+
+    With `append_eps` (`close_block`), the kernel appends the newest block's inverse RMS to `blocks_inv_rms` and
+    returns the `[N, *tokens]` first; its gradient then reaches the newest block in phase 1's backward pass."""
 
     @staticmethod
-    def forward(ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, *blocks: torch.Tensor):
-        lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries)
-        ctx.save_for_backward(blocks_inv_rms, queries, weights, raw, *blocks)
+    def forward(ctx, blocks_inv_rms, queries, append_eps: float | None, *blocks: torch.Tensor):
+        inv_rms, lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, append_eps)
+        ctx.appends = append_eps is not None
+        ctx.save_for_backward(inv_rms, queries, weights, raw, *blocks)
+        if ctx.appends:
+            return inv_rms, lse, *obar
         return lse, *obar
 
     @staticmethod
-    def backward(ctx, grad_lse: torch.Tensor, *grad_obar: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
+        grad_appended, (grad_lse, *grad_obar) = (grads[0], grads[1:]) if ctx.appends else (None, grads)
         blocks_inv_rms, queries, weights, raw, *blocks = ctx.saved_tensors
-        saved = (blocks, blocks_inv_rms, queries, weights, raw)
-        return tuple(extension().phase1_backward(list(grad_obar), grad_lse, *saved))
+        saved = (blocks, blocks_inv_rms, queries, weights, raw, ctx.appends, grad_appended)
+        grad_inv_rms, grad_queries, *grad_blocks = extension().phase1_backward(list(grad_obar), grad_lse, *saved)
+        return grad_inv_rms, grad_queries, None, *grad_blocks
 
 
 class _Phase2RMSNorm(torch.autograd.Function):
@@ -97,10 +105,25 @@ def phase1(
         obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
         return obar.unbind(0), lse
     if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
-        lse, *obar = _Phase1.apply(blocks_inv_rms, queries, *blocks)
+        lse, *obar = _Phase1.apply(blocks_inv_rms, queries, None, *blocks)
     else:
-        lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries)
+        _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None)
     return tuple(obar), lse
+
+
+def close_block(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """`append_inverse_rms(blocks_inv_rms, blocks[-1], eps)`, then `phase1` over `blocks` with it, as one pass over
+    the blocks: `(blocks_inv_rms [N, *tokens], obar rows, lse)` (see `depth_mixing.DepthKernels`)."""
+    if torch.compiler.is_compiling():  # both fall back to `two_phase_torch`
+        blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
+        return blocks_inv_rms, *phase1(blocks, blocks_inv_rms, queries)
+    if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
+        blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, queries, eps, *blocks)
+    else:
+        blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps)
+    return blocks_inv_rms, tuple(obar), lse
 
 
 class _AppendInverseRMS(torch.autograd.Function):
