@@ -1,10 +1,10 @@
 """What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, in the same process.
 
 For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
-the MoE rows) and the workloads are timed in interleaved rounds (baseline, standard, block, full, baseline, ...),
-one sample of every model per round. The table reports each model's median time and its ratio to the baseline: the
-median over rounds of the model's time divided by the baseline's in the same round. The machine's speed drifts by
-more than the overheads measured (on the shared 2-core VM of the committed results, the baseline's training step
+the MoE rows) and the workloads are timed in interleaved rounds, one sample of every model per round, the order
+rotating from round to round (baseline, standard, block, full; then standard, block, full, baseline; ...). The
+table reports each model's median time and its ratio to the baseline: the median over rounds of the model's time
+divided by the baseline's in the same round. The machine's speed drifts by more than the overheads measured (on the shared 2-core VM of the committed results, the baseline's training step
 ranged from 0.58 to 0.92 s within a minute and a half); models run back to back within a round, so a ratio per
 round cancels what drifts more slowly than a round, which a ratio of medians over the whole run does not. In eager
 mode there is no separate warm-up: a slow first sample of every model is absorbed by the median. Under `--compile`
@@ -13,7 +13,8 @@ every model is compiled alike (`torch.compile(model)`) and compiled before timin
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
-  across the models (eager: a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`);
+  across the models (eager: a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`), repeated
+  from the prompt until as many seconds as prefill gets have passed;
 - train: forward + backward of a batch of 4 x 256 tokens;
 - memory: what one training step adds at its peak, in a fresh subprocess per model (two at a time, one thread
   each): the bytes its tensors hold (the allocator-independent figure, as `torch.cuda.max_memory_allocated` on a
@@ -120,9 +121,17 @@ def timed(function, model, ids) -> float:
     return time.perf_counter() - start
 
 
+def rotated(items: list, shift: int) -> list:
+    """`items` starting at position `shift` (modulo their number): the order of the models in round `shift`. Each
+    model takes every position in turn, so an effect of the position within a round (what the previous sample left in
+    the caches and the allocator, a drift within the round) falls on all models alike instead of on the same one."""
+    shift %= max(len(items), 1)
+    return items[shift:] + items[:shift]
+
+
 def decode_samples(runners: dict, models: dict, prompt: torch.Tensor, static_cache: bool) -> dict[str, list[float]]:
     """Per-token times of `DECODE_STEPS` greedy steps after `prompt` (not timed), interleaved token by token across
-    the models, so that each model's median is over every step and machine noise hits all models alike.
+    the models (in rotation), so that each model's median is over every step and machine noise hits all models alike.
 
     Compiled models decode with a `StaticCache` (fixed shapes: Transformers' way to compile generation; a growing
     `DynamicCache` recompiles at every length), eager ones with the `DynamicCache` that `generate` uses by default.
@@ -139,7 +148,7 @@ def decode_samples(runners: dict, models: dict, prompt: torch.Tensor, static_cac
         samples = {name: [] for name in runners}
         for step in range(DECODE_STEPS):
             positions = torch.tensor([[DECODE_PROMPT + step]])
-            for name, runner in runners.items():
+            for name, runner in rotated(list(runners.items()), step):
                 cache, token = states[name]
                 start = time.perf_counter()
                 logits = runner(token, cache=cache, position_ids=positions, use_cache=True).logits
@@ -153,8 +162,9 @@ def measure_times(
     models: dict, repeats: int, seconds: dict[str, float], compile_models: bool
 ) -> dict[str, dict[str, list[float]]]:
     """Samples (seconds) per workload and model, in rounds: interleaved runs of prefill and of the training step (at
-    least `repeats` each, more until `seconds[workload]` have passed: small shapes get many samples), and every
-    decoded token (`decode_samples`). The i-th samples of all models form round i."""
+    least `repeats` each, more until `seconds[workload]` have passed: small shapes get many samples), in rotation
+    (`rotated`), and every decoded token (`decode_samples`, repeated until `seconds["decode"]` have passed). The i-th
+    samples of all models form round i."""
     vocab = next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
@@ -175,7 +185,11 @@ def measure_times(
         if workload == "decode":
             if compile_models:  # compiles the prompt's and the one-token graphs, outside the timed samples
                 decode_samples(runners, models, inputs["decode"], static_cache=True)
-            samples = decode_samples(runners, models, inputs["decode"], static_cache=compile_models)
+            samples = {name: [] for name in models}
+            start = time.perf_counter()
+            while not samples[next(iter(models))] or time.perf_counter() - start < seconds[workload]:
+                for name, times in decode_samples(runners, models, inputs["decode"], compile_models).items():
+                    samples[name] += times
         else:
             function = prefill if workload == "prefill" else train_step
             if compile_models:  # compilation happens on the first call, outside the timed samples
@@ -183,9 +197,11 @@ def measure_times(
                     function(runner, inputs[workload])
             samples = {name: [] for name in models}
             start = time.perf_counter()
-            while min(map(len, samples.values())) < repeats or time.perf_counter() - start < seconds[workload]:
-                for name, runner in runners.items():
+            rounds = 0
+            while rounds < repeats or time.perf_counter() - start < seconds[workload]:
+                for name, runner in rotated(list(runners.items()), rounds):
                     samples[name].append(timed(function, runner, inputs[workload]))
+                rounds += 1
         results[workload] = samples
     return results
 
@@ -272,7 +288,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
-    parser.add_argument("--seconds", type=float, default=12, help="keep running prefills this long")
+    parser.add_argument("--seconds", type=float, default=12, help="keep running prefills (and decodes) this long")
     # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
     parser.add_argument("--train-seconds", type=float, default=60, help="keep running training steps this long")
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
@@ -284,7 +300,7 @@ def main() -> None:
     # inside the first timed sample.
     depth_kernels = two_phase_ops(torch.device("cpu")).phase1.__module__
 
-    seconds = {"prefill": args.seconds, "train": args.train_seconds}
+    seconds = {"prefill": args.seconds, "decode": args.seconds, "train": args.train_seconds}
     rows = []
     for shape in args.shapes:
         # Memory first, in subprocesses, before this process holds the shape's models.

@@ -2,7 +2,7 @@
 
 import torch
 
-from benchmarks.overhead import TensorMemoryPeak, paired_ratio
+from benchmarks.overhead import TensorMemoryPeak, paired_ratio, rotated
 
 
 def test_tensor_memory_peak_counts_live_storages_once():
@@ -27,3 +27,15 @@ def test_paired_ratio_cancels_drift_between_rounds():
     model = [1.1, 1.1, 4.4, 4.4, 4.4]
     assert abs(paired_ratio(model, baseline) - 1.1) < 1e-12
     assert sorted(model)[2] / sorted(baseline)[2] == 4.4
+
+
+def test_rotation_gives_every_model_every_position():
+    """Over as many rounds as there are models, each model runs once in each position of the round."""
+    models = ["llama", "standard", "block", "full"]
+    rounds = [rotated(models, r) for r in range(len(models))]
+    assert rounds[0] == models
+    for round_ in rounds:
+        assert sorted(round_) == sorted(models)
+    for position in range(len(models)):
+        assert sorted(round_[position] for round_ in rounds) == sorted(models)
+    assert rotated(models, 5) == rounds[1]
