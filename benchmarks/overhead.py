@@ -290,7 +290,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
     parser.add_argument("--seconds", type=float, default=12, help="keep running prefills (and decodes) this long")
     # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
-    parser.add_argument("--train-seconds", type=float, default=90, help="keep running training steps this long")
+    parser.add_argument("--train-seconds", type=float, default=60, help="keep running training steps this long")
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
