@@ -4,11 +4,12 @@ For each shape, every model gets the same weights as the baseline (`LlamaForCaus
 the MoE rows) and the workloads are timed in interleaved rounds, one sample of every model per round, the order
 rotating from round to round (baseline, standard, block, full; then standard, block, full, baseline; ...). The
 table reports each model's median time and its ratio to the baseline: the median over rounds of the model's time
-divided by the baseline's in the same round. The machine's speed drifts by more than the overheads measured (on the shared 2-core VM of the committed results, the baseline's training step
-ranged from 0.58 to 0.92 s within a minute and a half); models run back to back within a round, so a ratio per
-round cancels what drifts more slowly than a round, which a ratio of medians over the whole run does not. In eager
-mode there is no separate warm-up: a slow first sample of every model is absorbed by the median. Under `--compile`
-every model is compiled alike (`torch.compile(model)`) and compiled before timing.
+divided by the baseline's in the same round. The machine's speed drifts by more than the overheads measured (on the
+shared 2-core VM of the committed results, the baseline's training step ranged from 0.58 to 0.92 s within a minute
+and a half); models run back to back within a round, so a ratio per round cancels what drifts more slowly than a
+round, which a ratio of medians over the whole run does not. In eager mode there is no separate warm-up: a slow
+first sample of every model is absorbed by the median. Under `--compile` every model is compiled alike
+(`torch.compile(model)`) and compiled before timing.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);

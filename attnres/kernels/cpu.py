@@ -63,7 +63,9 @@ class _Phase1(torch.autograd.Function):
     returns the `[N, *tokens]` first; its gradient then reaches the newest block in phase 1's backward pass."""
 
     @staticmethod
-    def forward(ctx, blocks_inv_rms, queries, append_eps: float | None, *blocks: torch.Tensor):
+    def forward(
+        ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, append_eps: float | None, *blocks: torch.Tensor
+    ):
         inv_rms, lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, append_eps)
         ctx.appends = append_eps is not None
         ctx.save_for_backward(inv_rms, queries, weights, raw, *blocks)
