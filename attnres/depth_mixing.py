@@ -137,7 +137,9 @@ class DepthKernels(NamedTuple):
     ) -> "DepthKernels":
         """These operations, with `close_block` composed of `append_inverse_rms` and `phase1`."""
 
-        def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps):
+        def close_block(
+            blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+        ) -> tuple:
             blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
             return blocks_inv_rms, *phase1(blocks, blocks_inv_rms, queries)
 
