@@ -1,30 +1,33 @@
 """What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, in the same process.
 
 For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
-the MoE rows) and the workloads are timed in interleaved rounds, one sample of every model per round, the order
-rotating from round to round (baseline, standard, block, full; then standard, block, full, baseline; ...). The
-table reports each model's median time and its ratio to the baseline: the median over rounds of the model's time
-divided by the baseline's in the same round. The machine's speed drifts by more than the overheads measured (on the
-shared 2-core VM of the committed results, the baseline's training step ranged from 0.58 to 0.92 s within a minute
-and a half); models run back to back within a round, so a ratio per round cancels what drifts more slowly than a
-round, which a ratio of medians over the whole run does not. In eager mode there is no separate warm-up: a slow
-first sample of every model is absorbed by the median. Under `--compile` every model is compiled alike
-(`torch.compile(model)`) and compiled before timing.
+the MoE rows) and the workloads are timed in interleaved rounds: the baseline runs right before each AttnRes model,
+whose order rotates from round to round (baseline, standard, baseline, block, baseline, full; then baseline, block,
+baseline, full, baseline, standard; ...). The table reports each model's median time and its ratio to the baseline:
+the median over its samples of its time divided by the mean of the baseline's samples right before and right after
+it. The machine's speed drifts by more than the overheads measured (on the shared 2-core VM of the committed results,
+the baseline's training step ranged from 0.58 to 0.92 s within a minute and a half, and the SmolLM2 shape's by 25%
+from one step to the next): flanked by the baseline on both sides, a sample's ratio cancels a drift that is linear
+over the three samples, which a ratio to one neighbour cancels only to first order in its distance, and a ratio of
+whole-run medians not at all. In eager mode there is no separate warm-up: a slow first sample of every model is
+absorbed by the median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before
+timing.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
-  across the models (eager: a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`), repeated
-  from the prompt until as many seconds as prefill gets have passed;
+  across the models in the same order (the baseline decodes one stream of its own before each AttnRes model's; eager:
+  a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`), repeated from the prompt until as many
+  seconds as prefill gets have passed;
 - train: forward + backward of a batch of 4 x 256 tokens;
-- memory: what one training step adds at its peak, in a fresh subprocess per model (two at a time, one thread
-  each): the bytes its tensors hold (the allocator-independent figure, as `torch.cuda.max_memory_allocated` on a
-  GPU) and the resident memory (RSS), which also counts what glibc's allocator keeps in its heap: by default glibc
-  serves freed sizes up to 32 MiB from the heap afterwards, so RSS depends on how the step's allocations interleave
+- memory: what one training step adds at its peak, in a fresh process per model (two at a time, one thread each):
+  the bytes its tensors hold (the allocator-independent figure, as `torch.cuda.max_memory_allocated` on a GPU) and
+  the resident memory (RSS), which also counts what glibc's allocator keeps in its heap: by default glibc serves
+  freed sizes up to 32 MiB from the heap afterwards, so RSS depends on how the step's allocations interleave
   (`MALLOC_MMAP_THRESHOLD_=131072` turns that off: RSS then follows the tensors).
 
 Usage:
-    python -m benchmarks.overhead                  # eager, all shapes, ~10 minutes on 2 cores
+    python -m benchmarks.overhead                  # eager, all shapes, ~9 minutes on 2 cores
     python -m benchmarks.overhead --compile --shapes small --no-memory \
         --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
                                                    # (up to a few minutes per model and workload on 2 cores)
@@ -36,17 +39,15 @@ Prints a markdown table and writes JSON to benchmarks/results/overhead.json.
 """
 
 import argparse
-import functools
 import json
-import os
+import multiprocessing
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -123,50 +124,78 @@ def timed(function, model, ids) -> float:
 
 
 def rotated(items: list, shift: int) -> list:
-    """`items` starting at position `shift` (modulo their number): the order of the models in round `shift`. Each
-    model takes every position in turn, so an effect of the position within a round (what the previous sample left in
-    the caches and the allocator, a drift within the round) falls on all models alike instead of on the same one."""
+    """`items` starting at position `shift` (modulo their number): the order of the AttnRes models in round `shift`.
+    Each model takes every position in turn, so an effect of the position within a round (a drift within the round,
+    what the model before the baseline left in the caches and the allocator) falls on all models alike."""
     shift %= max(len(items), 1)
     return items[shift:] + items[:shift]
 
 
-def decode_samples(runners: dict, models: dict, prompt: torch.Tensor, static_cache: bool) -> dict[str, list[float]]:
-    """Per-token times of `DECODE_STEPS` greedy steps after `prompt` (not timed), interleaved token by token across
-    the models (in rotation), so that each model's median is over every step and machine noise hits all models alike.
+def round_order(baseline: str, others: list[str], index: int) -> list[str]:
+    """The samples of round `index`: the baseline right before each of the `others`, which are `rotated`. Round after
+    round, every other model's sample sits between two baseline samples (`flanked_ratios`)."""
+    return [name for other in rotated(others, index) for name in (baseline, other)]
+
+
+def flanked_ratios(sequence: list[tuple[str, float]], name: str, baseline: str) -> list[float]:
+    """For each of `name`'s samples in `sequence` (`(model, seconds)` in the order they ran), its time divided by the
+    mean of the baseline's samples right before and right after it (the one before, for the last sample). The
+    baseline's own ratios are 1."""
+    if name == baseline:
+        return [1.0 for sample_name, _ in sequence if sample_name == baseline]
+    ratios = []
+    for i, (sample_name, seconds) in enumerate(sequence):
+        if sample_name == name:
+            neighbours = [sequence[j] for j in (i - 1, i + 1) if 0 <= j < len(sequence)]
+            flanks = [flank_seconds for flank_name, flank_seconds in neighbours if flank_name == baseline]
+            ratios.append(seconds / statistics.fmean(flanks))
+    return ratios
+
+
+def decode_sequence(
+    runners: dict, models: dict, baseline: str, prompt: torch.Tensor, static_cache: bool
+) -> list[tuple[str, float]]:
+    """Per-token times of `DECODE_STEPS` greedy steps after `prompt` (not timed), token by token in `round_order`
+    (one round per step): the baseline decodes one stream of its own before each other model's, so that every other
+    model's step sits between two baseline steps at the same length, and machine noise hits all models alike.
 
     Compiled models decode with a `StaticCache` (fixed shapes: Transformers' way to compile generation; a growing
     `DynamicCache` recompiles at every length), eager ones with the `DynamicCache` that `generate` uses by default.
     """
-    states = {}
+    others = [name for name in runners if name != baseline]
+    max_length = DECODE_PROMPT + DECODE_STEPS
+    states = {}  # (model, the other model whose stream it is) -> (cache, next input token)
     with torch.inference_mode():
-        for name, runner in runners.items():
-            config = models[name].config
-            max_length = DECODE_PROMPT + DECODE_STEPS
-            cache = StaticCache(config=config, max_cache_len=max_length) if static_cache else DynamicCache(config=config)
-            positions = torch.arange(DECODE_PROMPT).unsqueeze(0)
-            logits = runner(prompt, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1).logits
-            states[name] = (cache, logits[:, -1:].argmax(-1))
-        samples = {name: [] for name in runners}
+        for other in others:
+            for name in (baseline, other):
+                config = models[name].config
+                cache = StaticCache(config, max_cache_len=max_length) if static_cache else DynamicCache(config=config)
+                positions = torch.arange(DECODE_PROMPT).unsqueeze(0)
+                logits = runners[name](prompt, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+                states[name, other] = (cache, logits.logits[:, -1:].argmax(-1))
+        sequence = []
         for step in range(DECODE_STEPS):
             positions = torch.tensor([[DECODE_PROMPT + step]])
-            for name, runner in rotated(list(runners.items()), step):
-                cache, token = states[name]
-                start = time.perf_counter()
-                logits = runner(token, cache=cache, position_ids=positions, use_cache=True).logits
-                token = logits[:, -1:].argmax(-1)
-                samples[name].append(time.perf_counter() - start)
-                states[name] = (cache, token)
-    return samples
+            for other in rotated(others, step):
+                for name in (baseline, other):
+                    cache, token = states[name, other]
+                    start = time.perf_counter()
+                    logits = runners[name](token, cache=cache, position_ids=positions, use_cache=True).logits
+                    token = logits[:, -1:].argmax(-1)
+                    sequence.append((name, time.perf_counter() - start))
+                    states[name, other] = (cache, token)
+    return sequence
 
 
 def measure_times(
     models: dict, repeats: int, seconds: dict[str, float], compile_models: bool
-) -> dict[str, dict[str, list[float]]]:
-    """Samples (seconds) per workload and model, in rounds: interleaved runs of prefill and of the training step (at
-    least `repeats` each, more until `seconds[workload]` have passed: small shapes get many samples), in rotation
-    (`rotated`), and every decoded token (`decode_samples`, repeated until `seconds["decode"]` have passed). The i-th
-    samples of all models form round i."""
-    vocab = next(iter(models.values())).config.vocab_size
+) -> dict[str, list[list[tuple[str, float]]]]:
+    """Samples per workload: sequences of `(model, seconds)` in the order they ran. Prefill and the training step
+    run in rounds (`round_order`; at least `repeats`, more until `seconds[workload]` have passed: small shapes get
+    many), one sequence each; decode gives one sequence per repetition of `decode_sequence` from the prompt, repeated
+    until `seconds["decode"]` have passed. Progress goes to stderr."""
+    baseline, *others = models
+    vocab = models[baseline].config.vocab_size
     generator = torch.Generator().manual_seed(0)
     inputs = {
         "prefill": torch.randint(0, vocab, (1, PREFILL_TOKENS), generator=generator),
@@ -185,31 +214,28 @@ def measure_times(
         runners = {name: torch.compile(model) if compile_models else model for name, model in models.items()}
         if workload == "decode":
             if compile_models:  # compiles the prompt's and the one-token graphs, outside the timed samples
-                decode_samples(runners, models, inputs["decode"], static_cache=True)
-            samples = {name: [] for name in models}
+                decode_sequence(runners, models, baseline, inputs["decode"], static_cache=True)
+            sequences = []
             start = time.perf_counter()
-            while not samples[next(iter(models))] or time.perf_counter() - start < seconds[workload]:
-                for name, times in decode_samples(runners, models, inputs["decode"], compile_models).items():
-                    samples[name] += times
+            while not sequences or time.perf_counter() - start < seconds[workload]:
+                sequences.append(decode_sequence(runners, models, baseline, inputs["decode"], compile_models))
         else:
             function = prefill if workload == "prefill" else train_step
             if compile_models:  # compilation happens on the first call, outside the timed samples
                 for runner in runners.values():
                     function(runner, inputs[workload])
-            samples = {name: [] for name in models}
+            sequence = []
             start = time.perf_counter()
             rounds = 0
             while rounds < repeats or time.perf_counter() - start < seconds[workload]:
-                for name, runner in rotated(list(runners.items()), rounds):
-                    samples[name].append(timed(function, runner, inputs[workload]))
+                for name in round_order(baseline, others, rounds):
+                    sequence.append((name, timed(function, runners[name], inputs[workload])))
                 rounds += 1
-        results[workload] = samples
+            sequences = [sequence]
+        samples = sum(len(sequence) for sequence in sequences)
+        print(f"  {workload}: {samples} samples in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        results[workload] = sequences
     return results
-
-
-def paired_ratio(samples: list[float], baseline_samples: list[float]) -> float:
-    """The median over rounds of `samples[i] / baseline_samples[i]` (see the module docstring)."""
-    return statistics.median(x / y for x, y in zip(samples, baseline_samples, strict=True))
 
 
 class TensorMemoryPeak(TorchDispatchMode):
@@ -257,23 +283,24 @@ def train_memory_in_this_process(shape: str, name: str) -> dict[str, float]:
     return {"train_peak_mib": resident, "train_tensor_peak_mib": tensors.peak / 2**20}
 
 
-def peak_train_memory(shape: str, name: str) -> dict[str, float]:
-    """`train_memory_in_this_process` in a fresh process, so that models measured earlier leave nothing behind."""
-    code = "import json; from benchmarks.overhead import train_memory_in_this_process as measure; "
-    code += f"print(json.dumps(measure({shape!r}, {name!r})))"
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one core each: two of these run side by side
-    command = [sys.executable, "-c", code]
-    output = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+def train_memory_on_one_thread(shape: str, name: str) -> dict[str, float]:
+    """`train_memory_in_this_process` on one thread: two of these run side by side."""
+    torch.set_num_threads(1)
+    return train_memory_in_this_process(shape, name)
 
 
 def peak_train_memories(shape: str) -> dict[str, dict[str, float]]:
-    """`peak_train_memory` of every model of the shape, two processes at a time: memory does not depend on timing,
-    and this halves the part of the benchmark's run time that imports, builds and steps each model once more."""
+    """`train_memory_in_this_process` of every model of the shape, each in a fresh process, so that models measured
+    earlier leave nothing behind. The processes fork from a server that has imported torch, Transformers and attnres
+    (and run nothing), so each skips those imports; this module itself is not preloaded, as each child imports it
+    afresh when run as `python -m benchmarks.overhead`. Two run at a time, one thread each: memory does not depend on
+    timing, and this halves the part of the benchmark's run time that builds and steps each model once more."""
     names = model_names(shape)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(names, pool.map(functools.partial(peak_train_memory, shape), names), strict=True))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "attnres"])
+    with ProcessPoolExecutor(max_workers=2, mp_context=context, max_tasks_per_child=1) as pool:
+        memories = pool.map(train_memory_on_one_thread, [shape] * len(names), names)
+        return dict(zip(names, memories, strict=True))
 
 
 def cpu_model() -> str:
@@ -291,7 +318,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
     parser.add_argument("--seconds", type=float, default=12, help="keep running prefills (and decodes) this long")
     # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
-    parser.add_argument("--train-seconds", type=float, default=60, help="keep running training steps this long")
+    parser.add_argument("--train-seconds", type=float, default=50, help="keep running training steps this long")
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
@@ -309,13 +336,19 @@ def main() -> None:
         models = build_models(shape)
         baseline = next(iter(models))
         for execution in ["eager"] + (["compile"] if args.compile else []):
+            print(f"{shape}, {execution}:", file=sys.stderr)
             times = measure_times(models, args.repeats, seconds, compile_models=execution == "compile")
             for name in models:
                 row = {"shape": shape, "mode": execution, "model": name}
-                for workload, samples in times.items():
-                    row[f"{workload}_s"] = statistics.median(samples[name])
-                    row[f"{workload}_ratio"] = paired_ratio(samples[name], samples[baseline])
-                    row[f"{workload}_rounds"] = len(samples[name])
+                for workload, sequences in times.items():
+                    samples = [time_ for sequence in sequences for model, time_ in sequence if model == name]
+                    ratios = [ratio for sequence in sequences for ratio in flanked_ratios(sequence, name, baseline)]
+                    row[f"{workload}_s"] = statistics.median(samples)
+                    row[f"{workload}_ratio"] = statistics.median(ratios)
+                    # The spread of the ratios (their quartiles): how far one sample's ratio can be from the median.
+                    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+                    row[f"{workload}_ratio_quartiles"] = [quartiles[0], quartiles[2]]
+                    row[f"{workload}_samples"] = len(samples)
                 for key, mib in memory.get(name, {}).items():
                     row[key] = mib
                     row[key.replace("_mib", "_ratio")] = mib / memory[baseline][key]

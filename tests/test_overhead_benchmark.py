@@ -1,8 +1,8 @@
-"""The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, paired time ratios."""
+"""The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, flanked time ratios."""
 
 import torch
 
-from benchmarks.overhead import TensorMemoryPeak, paired_ratio, rotated
+from benchmarks.overhead import TensorMemoryPeak, flanked_ratios, rotated, round_order
 
 
 def test_tensor_memory_peak_counts_live_storages_once():
@@ -20,13 +20,29 @@ def test_tensor_memory_peak_counts_live_storages_once():
     assert tensors.held == 0
 
 
-def test_paired_ratio_cancels_drift_between_rounds():
-    """The machine slows down 4x in round 3, between the baseline's sample and the model's: the ratio per round stays
-    1.1 in every other round, while the ratio of medians would compare a slow model with a fast baseline."""
-    baseline = [1.0, 1.0, 1.0, 4.0, 4.0]
-    model = [1.1, 1.1, 4.4, 4.4, 4.4]
-    assert abs(paired_ratio(model, baseline) - 1.1) < 1e-12
-    assert sorted(model)[2] / sorted(baseline)[2] == 4.4
+def test_flanked_ratio_cancels_a_linear_drift():
+    """The machine slows down steadily: each sample takes 10% of the first one's time longer than the one before. A
+    model 1.1x the baseline's cost measures 1.1 between two baseline samples; the run's last sample, which has only
+    the baseline before it, reads the drift too."""
+    order = round_order("llama", ["standard", "block"], 0) + round_order("llama", ["standard", "block"], 1)
+    cost = {"llama": 1.0, "standard": 1.0, "block": 1.1}
+    sequence = [(name, cost[name] * (1 + 0.1 * i)) for i, name in enumerate(order)]
+    assert [name for name, _ in sequence] == ["llama", "standard", "llama", "block", "llama", "block", "llama", "standard"]
+    for ratio in flanked_ratios(sequence, "block", "llama"):
+        assert abs(ratio - 1.1) < 1e-12
+    assert sequence[3][1] / sequence[2][1] > 1.1 + 0.05  # the ratio to the baseline sample before it alone
+    first, last = flanked_ratios(sequence, "standard", "llama")
+    assert abs(first - 1.0) < 1e-12
+    assert abs(last - (1 + 0.1 * 7) / (1 + 0.1 * 6)) < 1e-12
+    assert flanked_ratios(sequence, "llama", "llama") == [1.0] * 4
+
+
+def test_round_order_puts_the_baseline_before_every_model_in_rotation():
+    """Each round runs the baseline right before each AttnRes model, and the AttnRes models rotate."""
+    others = ["standard", "block", "full"]
+    assert round_order("llama", others, 0) == ["llama", "standard", "llama", "block", "llama", "full"]
+    assert round_order("llama", others, 1) == ["llama", "block", "llama", "full", "llama", "standard"]
+    assert round_order("llama", others, 3) == round_order("llama", others, 0)
 
 
 def test_rotation_gives_every_model_every_position():
