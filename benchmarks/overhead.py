@@ -6,10 +6,10 @@ whose order rotates from round to round (baseline, standard, baseline, block, ba
 baseline, full, baseline, standard; ...). The table reports each model's median time and its ratio to the baseline:
 the median over its samples of its time divided by the mean of the baseline's samples right before and right after
 it. The machine's speed drifts by more than the overheads measured (on the shared 2-core VM of the committed results,
-the baseline's training step ranged from 0.58 to 0.92 s within a minute and a half, and the SmolLM2 shape's by 25%
+the baseline's training step ranged from 0.58 to 0.92 s within a minute and a half, and the SmolLM2 shape's by 17%
 from one step to the next): flanked by the baseline on both sides, a sample's ratio cancels a drift that is linear
-over the three samples, which a ratio to one neighbour cancels only to first order in its distance, and a ratio of
-whole-run medians not at all. In eager mode there is no separate warm-up: a slow first sample of every model is
+over the three samples; a ratio to one neighbour carries the drift between the two samples, and a ratio of whole-run
+medians all of it. In eager mode there is no separate warm-up: a slow first sample of every model is
 absorbed by the median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before
 timing.
 
