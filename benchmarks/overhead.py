@@ -9,9 +9,8 @@ it. The machine's speed drifts by more than the overheads measured (on the share
 the baseline's training step ranged from 0.58 to 0.92 s within a minute and a half, and the SmolLM2 shape's by 17%
 from one step to the next): flanked by the baseline on both sides, a sample's ratio cancels a drift that is linear
 over the three samples; a ratio to one neighbour carries the drift between the two samples, and a ratio of whole-run
-medians all of it. In eager mode there is no separate warm-up: a slow first sample of every model is
-absorbed by the median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before
-timing.
+medians all of it. In eager mode there is no separate warm-up: a slow first sample of every model is absorbed by the
+median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before timing.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
@@ -331,7 +330,7 @@ def main() -> None:
     seconds = {"prefill": args.seconds, "decode": args.seconds, "train": args.train_seconds}
     rows = []
     for shape in args.shapes:
-        # Memory first, in subprocesses, before this process holds the shape's models.
+        # Memory first, in fresh processes, before this process holds the shape's models.
         memory = {} if args.no_memory else peak_train_memories(shape)
         models = build_models(shape)
         baseline = next(iter(models))
