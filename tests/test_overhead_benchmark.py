@@ -27,7 +27,8 @@ def test_flanked_ratio_cancels_a_linear_drift():
     order = round_order("llama", ["standard", "block"], 0) + round_order("llama", ["standard", "block"], 1)
     cost = {"llama": 1.0, "standard": 1.0, "block": 1.1}
     sequence = [(name, cost[name] * (1 + 0.1 * i)) for i, name in enumerate(order)]
-    assert [name for name, _ in sequence] == ["llama", "standard", "llama", "block", "llama", "block", "llama", "standard"]
+    expected_order = ["llama", "standard", "llama", "block", "llama", "block", "llama", "standard"]
+    assert [name for name, _ in sequence] == expected_order
     for ratio in flanked_ratios(sequence, "block", "llama"):
         assert abs(ratio - 1.1) < 1e-12
     assert sequence[3][1] / sequence[2][1] > 1.1 + 0.05  # the ratio to the baseline sample before it alone
