@@ -31,6 +31,8 @@ Usage:
         --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
                                                    # (up to a few minutes per model and workload on 2 cores)
     python -m benchmarks.overhead --shapes small --repeats 3   # quick look
+    python -m benchmarks.overhead --shapes small small-moe --no-memory --seconds 120 --train-seconds 900 \
+        --output benchmarks/results/overhead_long.json     # the small shapes to a few tenths of a percent (38 min)
 
 Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
 first on `sys.path` and `benchmarks/kernels.py` would shadow the `kernels` package that Transformers probes for.
