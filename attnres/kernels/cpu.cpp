@@ -17,27 +17,79 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// Independent partial sums in `dot`: a single accumulator is a serial dependency chain the compiler may not reorder
-// (float addition is not associative), so it would not vectorise the loop.
-constexpr int64_t kLanes = 16;
+// Eight fp32 lanes as one value (a GCC / Clang vector extension): one AVX register, or two SSE / NEON ones. The
+// reductions below are written with it because, written as loops over an array of lanes, the compiler kept the
+// lanes on the stack and summed them one by one: a serial chain as long as the vectorised loop itself. Built without
+// AVX, GCC warns that returning such a value changes the ABI, which does not matter to functions internal to this
+// file (and takes them by reference, where it would note it once more).
+#pragma GCC diagnostic ignored "-Wpsabi"
+using Lanes = float __attribute__((vector_size(32)));
+constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+
+Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+void store_lanes(float* p, const Lanes& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+float sum_lanes(const Lanes& v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 // Tokens per task on ATen's thread pool: one token of decode or a short prompt stays on the calling thread.
 constexpr int64_t kGrainTokens = 16;
 
-float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[i + j] * b[i + j];
+// Calls `body.template operator()<G>(first)` for consecutive groups [first, first + G) of `count` items, G <= 4: G
+// is a compile-time constant so that the compiler unrolls the group and keeps its accumulators in registers (chosen
+// at run time, it does neither).
+constexpr int64_t kMaxGroup = 4;
+
+template <typename Body>
+void in_groups(int64_t count, const Body& body) {
+  for (int64_t first = 0; first < count; first += kMaxGroup) {
+    switch (std::min(kMaxGroup, count - first)) {
+      case 1: body.template operator()<1>(first); break;
+      case 2: body.template operator()<2>(first); break;
+      case 3: body.template operator()<3>(first); break;
+      default: body.template operator()<4>(first);
+    }
   }
-  float total = 0.f;
-  for (; i < n; ++i) total += a[i] * b[i];
-  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
+}
+
+// `out[g] = row . v[g]` for G vectors in one pass over `row`, each with two independent chains of partial sums (one
+// chain is bound by the latency of its additions).
+template <int64_t G>
+void dots(const float* row, const float* const* v, int64_t n, float* out) {
+  Lanes even[G] = {}, odd[G] = {};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const Lanes low = load_lanes(row + i), high = load_lanes(row + i + kLanes);
+    for (int64_t g = 0; g < G; ++g) {
+      even[g] += low * load_lanes(v[g] + i);
+      odd[g] += high * load_lanes(v[g] + i + kLanes);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float total = sum_lanes(even[g] + odd[g]);
+    for (int64_t j = i; j < n; ++j) total += row[j] * v[g][j];
+    out[g] = total;
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float total;
+  dots<1>(a, &b, n, &total);
   return total;
 }
 
@@ -86,50 +138,37 @@ void normalize_backward(
   for (int64_t i = 0; i < n; ++i) gh[i] = gh[i] * inv_rms - coef * h[i];
 }
 
-// Rows that one pass combines (`in_passes`): phase 1 mixes a token's N block rows into each query's output, and its
-// backward pass combines S query rows into each block's gradient. A pass per row would load and store the output
-// row once per input row; a pass over up to this many inputs does it once for all of them.
-constexpr int64_t kRowsPerPass = 4;
-
-// Calls `pass.template operator()<K, kAccumulate>(first)` for consecutive groups [first, first + K) of `count`
-// items, K <= kRowsPerPass, with `kAccumulate` false for the first group only (it writes its output, the others add
-// to it). K and `kAccumulate` are compile-time constants so that the compiler unrolls the group and vectorises along
-// the row (chosen at run time, it does neither).
-template <typename Pass>
-void in_passes(int64_t count, const Pass& pass) {
-  for (int64_t first = 0; first < count; first += kRowsPerPass) {
-    const auto run = [&](auto accumulate) {
-      constexpr bool kAccumulate = decltype(accumulate)::value;
-      switch (std::min(kRowsPerPass, count - first)) {
-        case 1: return pass.template operator()<1, kAccumulate>(first);
-        case 2: return pass.template operator()<2, kAccumulate>(first);
-        case 3: return pass.template operator()<3, kAccumulate>(first);
-        default: return pass.template operator()<4, kAccumulate>(first);
+// `out[g] = sum_r w[g][r] rows[r]` for G queries: each 16-value slice of the G outputs is accumulated in registers
+// over all the rows and stored once, where a pass per row would load and store the outputs once per row.
+template <int64_t G>
+void mix_rows(const float* const* rows, int64_t num_rows, const float* const* w, int64_t n, float* const* out) {
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    Lanes even[G] = {}, odd[G] = {};
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const Lanes low = load_lanes(rows[r] + i), high = load_lanes(rows[r] + i + kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        even[g] += w[g][r] * low;
+        odd[g] += w[g][r] * high;
       }
-    };
-    if (first == 0) {
-      run(std::false_type{});
-    } else {
-      run(std::true_type{});
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      store_lanes(out[g] + i, even[g]);
+      store_lanes(out[g] + i + kLanes, odd[g]);
+    }
+  }
+  for (; i < n; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      float total = 0.f;
+      for (int64_t r = 0; r < num_rows; ++r) total += w[g][r] * rows[r][i];
+      out[g][i] = total;
     }
   }
 }
 
-// One pass of phase 1's mix for one query: `out (=|+=) sum_k w_k v_k` over K block rows.
-template <int64_t K, bool Accumulate>
-void mix_pass(const float* const* v, const float* w, int64_t n, float* out) {
-  // The rows `v` and `out` are distinct, which the compiler cannot prove through the pointer array.
-#pragma GCC ivdep
-  for (int64_t i = 0; i < n; ++i) {
-    float total = Accumulate ? out[i] : 0.f;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; ++k) total += w[k] * v[k][i];
-    out[i] = total;
-  }
-}
-
-// One pass of phase 1's backward pass for one block row `v` and K queries:
-// `grad_row (=|+=) sum_k p_k go_k + c_k q_k` and `grad_q_k += c_k v`.
+// One pass of phase 1's backward pass for one block row `v` and K queries (a group of `in_groups`):
+// `grad_row (=|+=) sum_k p_k go_k + c_k q_k` and `grad_q_k += c_k v`. The first group writes `grad_row`, the others
+// add to it.
 template <int64_t K, bool Accumulate>
 void block_row_backward_pass(
     const float* const* go,
@@ -140,7 +179,8 @@ void block_row_backward_pass(
     int64_t n,
     float* const* grad_q,
     float* grad_row) {
-  // The rows `go`, `q`, `grad_q`, `v` and `grad_row` are distinct (see `mix_pass`).
+  // The rows `go`, `q`, `grad_q`, `v` and `grad_row` are distinct, which the compiler cannot prove through the
+  // pointer arrays.
 #pragma GCC ivdep
   for (int64_t i = 0; i < n; ++i) {
     float total = Accumulate ? grad_row[i] : 0.f;
@@ -256,11 +296,15 @@ std::vector<at::Tensor> phase2_rms_norm(
 // computes the newest one's (`append_inverse_rms` with that eps) from the rows it reads anyway and returns
 // `blocks_inv_rms` with it appended, so the block that has just closed is read once, not once more by a pass of its
 // own. Without, `blocks_inv_rms` holds all N rows and is returned as given.
+//
+// Without `for_backward` (no gradient will be asked for), `weights` and `raw` are neither written nor allocated and
+// come back undefined (`None`): they are N x S scattered writes per token that only the backward pass reads.
 std::vector<at::Tensor> phase1(
     const std::vector<at::Tensor>& blocks,
     const at::Tensor& blocks_inv_rms,
     const at::Tensor& queries,
-    std::optional<double> append_eps) {
+    std::optional<double> append_eps,
+    bool for_backward) {
   TORCH_CHECK(!blocks.empty(), "phase 1 needs at least one block");
   check_fp32(blocks_inv_rms, "blocks_inv_rms");
   check_fp32(queries, "queries");
@@ -292,8 +336,8 @@ std::vector<at::Tensor> phase1(
     inv_rms_c = at::empty(inv_rms_shape, fp32);
     inv_rms_c.narrow(0, 0, num_blocks - 1).copy_(blocks_inv_rms);
   }
-  std::vector<at::Tensor> result{
-      inv_rms_c, at::empty(lse_shape, fp32), at::empty(score_shape, fp32), at::empty(score_shape, fp32)};
+  const auto scores = [&] { return for_backward ? at::empty(score_shape, fp32) : at::Tensor(); };
+  std::vector<at::Tensor> result{inv_rms_c, at::empty(lse_shape, fp32), scores(), scores()};
   std::vector<float*> obar_p;
   for (int64_t s = 0; s < num_queries; ++s) {
     result.push_back(at::empty(first.sizes(), fp32));
@@ -308,40 +352,48 @@ std::vector<at::Tensor> phase1(
     float* inv_rms_p = inv_rms_c.data_ptr<float>();
     const float* queries_p = queries_c.data_ptr<float>();
     float* lse_p = result[1].data_ptr<float>();
-    float* weights_p = result[2].data_ptr<float>();
-    float* raw_p = result[3].data_ptr<float>();
+    float* weights_p = for_backward ? result[2].data_ptr<float>() : nullptr;
+    float* raw_p = for_backward ? result[3].data_ptr<float>() : nullptr;
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(num_blocks * hidden), logits(num_blocks * num_queries), mix(num_blocks);
-      std::vector<const float*> rows(num_blocks);
+      // `logits` holds query s's N logits at [s * N, (s + 1) * N), then its softmax weights (`mix[s]` points there).
+      std::vector<float> scratch(num_blocks * hidden), logits(num_queries * num_blocks), scores(kMaxGroup);
+      std::vector<const float*> rows(num_blocks), query_rows(num_queries), mix(num_queries);
+      std::vector<float*> out(num_queries);
+      for (int64_t s = 0; s < num_queries; ++s) {
+        query_rows[s] = queries_p + s * hidden;
+        mix[s] = logits.data() + s * num_blocks;
+      }
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t n = 0; n < num_blocks; ++n) {
           rows[n] = fp32_row(block_p[n] + t * hidden, hidden, scratch.data() + n * hidden);
           if (appends && n == num_blocks - 1) inv_rms_p[n * tokens + t] = inverse_rms(rows[n], hidden, eps_f);
-          for (int64_t s = 0; s < num_queries; ++s) {
-            const float score = dot(rows[n], queries_p + s * hidden, hidden);
-            raw_p[(n * num_queries + s) * tokens + t] = score;
-            logits[n * num_queries + s] = score * inv_rms_p[n * tokens + t];
-          }
+          in_groups(num_queries, [&]<int64_t G>(int64_t first) {
+            dots<G>(rows[n], query_rows.data() + first, hidden, scores.data());
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t s = first + g;
+              if (for_backward) raw_p[(n * num_queries + s) * tokens + t] = scores[g];
+              logits[s * num_blocks + n] = scores[g] * inv_rms_p[n * tokens + t];
+            }
+          });
         }
         for (int64_t s = 0; s < num_queries; ++s) {
-          float peak = -INFINITY;
-          for (int64_t n = 0; n < num_blocks; ++n) peak = std::max(peak, logits[n * num_queries + s]);
+          float* logit = logits.data() + s * num_blocks;
+          const float peak = *std::max_element(logit, logit + num_blocks);
           float total = 0.f;
           for (int64_t n = 0; n < num_blocks; ++n) {
-            float& logit = logits[n * num_queries + s];
-            logit = std::exp(logit - peak);
-            total += logit;
+            logit[n] = std::exp(logit[n] - peak);
+            total += logit[n];
           }
           lse_p[s * tokens + t] = peak + std::log(total);
           for (int64_t n = 0; n < num_blocks; ++n) {
-            mix[n] = logits[n * num_queries + s] / total;
-            weights_p[(n * num_queries + s) * tokens + t] = mix[n];
+            logit[n] /= total;
+            if (for_backward) weights_p[(n * num_queries + s) * tokens + t] = logit[n];
           }
-          float* o = obar_p[s] + t * hidden;
-          in_passes(num_blocks, [&]<int64_t K, bool kAccumulate>(int64_t n) {
-            mix_pass<K, kAccumulate>(rows.data() + n, mix.data() + n, hidden, o);
-          });
+          out[s] = obar_p[s] + t * hidden;
         }
+        in_groups(num_queries, [&]<int64_t G>(int64_t first) {
+          mix_rows<G>(rows.data(), num_blocks, mix.data() + first, hidden, out.data() + first);
+        });
       }
     });
   });
@@ -489,7 +541,7 @@ std::vector<at::Tensor> phase1_backward(
     float* grad_inv_rms_p = grad_inv_rms.data_ptr<float>();
     const float* grad_appended_p = grad_appended_c.defined() ? grad_appended_c.data_ptr<float>() : nullptr;
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
-      std::vector<float> scratch(num_blocks * hidden), grad_row_scratch(hidden), dots(num_blocks * num_queries);
+      std::vector<float> scratch(num_blocks * hidden), grad_row_scratch(hidden), dots_p(num_blocks * num_queries);
       std::vector<float> delta(num_queries), p(num_queries), coef(num_queries);
       std::vector<const float*> rows(num_blocks), go(num_queries), query_rows(num_queries);
       std::vector<float*> grad_q_rows(num_queries);
@@ -503,10 +555,12 @@ std::vector<at::Tensor> phase1_backward(
         std::fill(delta.begin(), delta.end(), 0.f);
         for (int64_t n = 0; n < num_blocks; ++n) {
           rows[n] = fp32_row(block_p[n] + t * hidden, hidden, scratch.data() + n * hidden);
+          float* row_dots = dots_p.data() + n * num_queries;
+          in_groups(num_queries, [&]<int64_t G>(int64_t first) {
+            dots<G>(rows[n], go.data() + first, hidden, row_dots + first);
+          });
           for (int64_t s = 0; s < num_queries; ++s) {
-            const float g = dot(go[s], rows[n], hidden);
-            dots[n * num_queries + s] = g;
-            delta[s] += weights_p[(n * num_queries + s) * tokens + t] * g;
+            delta[s] += weights_p[(n * num_queries + s) * tokens + t] * row_dots[s];
           }
         }
         for (int64_t n = 0; n < num_blocks; ++n) {
@@ -515,7 +569,7 @@ std::vector<at::Tensor> phase1_backward(
           for (int64_t s = 0; s < num_queries; ++s) {
             const int64_t score = (n * num_queries + s) * tokens + t;
             p[s] = weights_p[score];
-            const float ds = p[s] * (dots[n * num_queries + s] - delta[s] + gl_p[s * tokens + t]);
+            const float ds = p[s] * (dots_p[n * num_queries + s] - delta[s] + gl_p[s * tokens + t]);
             grad_r += ds * raw_p[score];
             coef[s] = ds * r;
           }
@@ -525,10 +579,10 @@ std::vector<at::Tensor> phase1_backward(
           // fp32 blocks take their gradient in place; others take it in fp32 first, rounded once below.
           float* grad_row =
               std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(grad_b) : grad_row_scratch.data();
-          in_passes(num_queries, [&]<int64_t K, bool kAccumulate>(int64_t s) {
-            block_row_backward_pass<K, kAccumulate>(
-                go.data() + s, query_rows.data() + s, p.data() + s, coef.data() + s, rows[n], hidden,
-                grad_q_rows.data() + s, grad_row);
+          in_groups(num_queries, [&]<int64_t G>(int64_t s) {
+            const auto pass = s == 0 ? block_row_backward_pass<G, false> : block_row_backward_pass<G, true>;
+            pass(go.data() + s, query_rows.data() + s, p.data() + s, coef.data() + s, rows[n], hidden,
+                 grad_q_rows.data() + s, grad_row);
           });
           if (n >= kept_rows) {  // the appended row: `r = (mean(b^2) + eps)^(-1/2)`, so `dr/db = -r^3 b / D`
             const float block_coef = grad_r * r * r * r * inv_hidden;

@@ -66,7 +66,7 @@ class _Phase1(torch.autograd.Function):
     def forward(
         ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, append_eps: float | None, *blocks: torch.Tensor
     ):
-        inv_rms, lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, append_eps)
+        inv_rms, lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, append_eps, True)
         ctx.appends = append_eps is not None
         ctx.save_for_backward(inv_rms, queries, weights, raw, *blocks)
         if ctx.appends:
@@ -109,7 +109,7 @@ def phase1(
     if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
         lse, *obar = _Phase1.apply(blocks_inv_rms, queries, None, *blocks)
     else:
-        _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None)
+        _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None, False)
     return tuple(obar), lse
 
 
@@ -124,7 +124,7 @@ def close_block(
     if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
         blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, queries, eps, *blocks)
     else:
-        blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps)
+        blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps, False)
     return blocks_inv_rms, tuple(obar), lse
 
 
