@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -580,9 +581,13 @@ std::vector<at::Tensor> phase1_backward(
           float* grad_row =
               std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(grad_b) : grad_row_scratch.data();
           in_groups(num_queries, [&]<int64_t G>(int64_t s) {
-            const auto pass = s == 0 ? block_row_backward_pass<G, false> : block_row_backward_pass<G, true>;
-            pass(go.data() + s, query_rows.data() + s, p.data() + s, coef.data() + s, rows[n], hidden,
-                 grad_q_rows.data() + s, grad_row);
+            const auto args = std::make_tuple(go.data() + s, query_rows.data() + s, p.data() + s, coef.data() + s,
+                                              rows[n], hidden, grad_q_rows.data() + s, grad_row);
+            if (s == 0) {
+              std::apply(block_row_backward_pass<G, false>, args);
+            } else {
+              std::apply(block_row_backward_pass<G, true>, args);
+            }
           });
           if (n >= kept_rows) {  // the appended row: `r = (mean(b^2) + eps)^(-1/2)`, so `dr/db = -r^3 b / D`
             const float block_coef = grad_r * r * r * r * inv_hidden;
