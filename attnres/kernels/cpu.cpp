@@ -28,8 +28,8 @@ namespace {
 // Eight fp32 lanes as one value (a GCC / Clang vector extension): one AVX register, or two SSE / NEON ones. The
 // reductions below are written with it because, written as loops over an array of lanes, the compiler kept the
 // lanes on the stack and summed them one by one: a serial chain as long as the vectorised loop itself. Built without
-// AVX, GCC warns that returning such a value changes the ABI, which does not matter to functions internal to this
-// file (and takes them by reference, where it would note it once more).
+// AVX, GCC warns that passing such a value changes the calling convention, which does not matter to functions
+// internal to this file; the helpers take it by reference, where GCC adds a note that the pragma does not silence.
 #pragma GCC diagnostic ignored "-Wpsabi"
 using Lanes = float __attribute__((vector_size(32)));
 constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
