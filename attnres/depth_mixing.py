@@ -28,8 +28,10 @@ loop and passed positionally through the decoder layers, so reentrant activation
   When `output_hidden_states` asks for every `h`, `materialize` makes the steps compute it themselves with the same
   operations, so the outputs do not change. Where the queries cannot be read up front (parameters sharded by FSDP
   or ZeRO-3 exist only inside their own layer's forward), `queries` and `lse` are `None`, the state holds no `obar`
-  rows, and every step runs phase 1 for its own query instead of reading its block's. The paper's Table 4 ablations
-  of AttnRes (`depth_ablation`) keep the same state too and compute the naive form from the sources.
+  rows, and every step runs phase 1 for its own query instead of reading its block's. The output step always runs
+  its own: the state after the last sublayer holds no `obar` rows either, so that the model can first narrow it to
+  the positions it outputs (`at_positions`; a prompt's prefill needs the last one only). The paper's Table 4
+  ablations of AttnRes (`depth_ablation`) keep the same state too and compute the naive form from the sources.
 - DenseFormer, Hyper-Connections and mHC (SPEC §7, for comparison): see `residual_variants.py`.
 """
 
@@ -42,6 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers import initialization as init
+from transformers.modeling_utils import slice_logits_to_keep
 
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
 from .two_phase import as_float32, cast, inverse_rms, phase2
@@ -219,6 +222,16 @@ def split_blocks_and_obar(
     return blocks_and_obar[:num_blocks], blocks_and_obar[num_blocks:]
 
 
+def at_positions(depth_state: tuple, logits_to_keep: int | torch.Tensor) -> tuple:
+    """AttnRes's depth state after the last sublayer (complete blocks, no phase-1 rows) at the positions
+    `logits_to_keep` selects, as `slice_logits_to_keep` selects them from hidden states: the output step then reads
+    its sources at those positions only. Per position, the output is the same as the whole state's at it."""
+    kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks = depth_state
+    at = functools.partial(slice_logits_to_keep, logits_to_keep=logits_to_keep)
+    blocks_inv_rms = at(blocks_inv_rms.movedim(0, -1)).movedim(-1, 0)  # the token axes of `[N, *tokens]` first
+    return kernels, materialize, queries, blocks_inv_rms, lse, partial, *map(at, blocks)
+
+
 class PendingInput(NamedTuple):
     """A depth-attention step's result `h`, handed over uncomputed to the RMSNorm that reads it.
 
@@ -325,9 +338,10 @@ class DepthAttention(nn.Module):
         # always sees complete blocks only.
         self.closes_block = position % block_size == 0 or position == num_sublayers
         # The steps whose queries phase 1 serves once this step closes its block (0-based rows of `queries`): the
-        # next block's sublayers, or the output step alone after the last sublayer.
-        next_end = min(position + block_size, num_sublayers) if position < num_sublayers else position + 1
-        self.next_block = slice(position, next_end)
+        # next block's sublayers. After the last sublayer there is none: the output step runs phase 1 itself, for
+        # only the positions the model outputs (`AttnResModel.forward`'s `logits_to_keep`).
+        next_end = min(position + block_size, num_sublayers)
+        self.next_block = slice(position, next_end) if position < num_sublayers else None
 
     def forward(
         self,
@@ -340,8 +354,8 @@ class DepthAttention(nn.Module):
         *blocks_and_obar: torch.Tensor,
     ) -> torch.Tensor | PendingInput:
         blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
-        if queries is None:  # queries not gathered (sharded parameters): this step's own phase 1
-            query = self.query()
+        if not obar:  # the output step, or queries not gathered (sharded parameters): this step's own phase 1
+            query = self.query() if queries is None else queries[self.position - 1]
             obar, lse = kernels.phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
             offset = 0
         else:
@@ -369,10 +383,10 @@ class DepthAttention(nn.Module):
         partial = output if partial is None else partial + output
         if not self.closes_block:
             return kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks_and_obar
-        blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
+        blocks, _ = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
         blocks = (*blocks, partial)
-        if queries is None:
-            blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps)
+        if queries is None or self.next_block is None:
+            blocks_inv_rms, obar, lse = kernels.append_inverse_rms(blocks_inv_rms, partial, self.eps), (), None
         else:
             blocks_inv_rms, obar, lse = kernels.close_block(blocks, blocks_inv_rms, queries[self.next_block], self.eps)
         return kernels, materialize, queries, blocks_inv_rms, lse, None, *blocks, *obar

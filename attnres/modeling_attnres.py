@@ -42,6 +42,7 @@ from .depth_mixing import (
     DepthAttention,
     DepthQuery,
     PendingInput,
+    at_positions,
     depth_mixer,
     fold_queries,
     initial_depth_state,
@@ -268,8 +269,18 @@ class AttnResModel(AttnResPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
+        r"""
+        logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
+            The positions at which to compute the output (`last_hidden_state`), as `logits_to_keep` of
+            `AttnResForCausalLM` (which passes its own): `0` for all of them, an `int` for the last ones, or a tensor
+            (see `transformers.modeling_utils.slice_logits_to_keep`). Under AttnRes the output is depth attention
+            over every block, so a prompt's prefill, which keeps the last position, skips it at all the others.
+            Ignored when hidden states are recorded: the last of them is the output, and as Llama's it spans every
+            position.
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 
@@ -308,7 +319,14 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+        # AttnRes narrows the state to the kept positions before the output step, the other modes their output.
+        keeps_fewer = not isinstance(logits_to_keep, int) or 0 < logits_to_keep < inputs_embeds.shape[1]
+        narrow = keeps_fewer and not materialize
+        if narrow and self.config.residual_mode in ("full", "block"):
+            depth_state, narrow = at_positions(depth_state, logits_to_keep), False
         hidden_states = self.norm(self.output_residual(*depth_state))
+        if narrow:
+            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
 
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
@@ -396,10 +414,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
+            logits_to_keep=logits_to_keep,
             **kwargs,
         )
 
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        hidden_states = outputs.last_hidden_state
+        if outputs.hidden_states is not None:  # the model kept every position (see `AttnResModel.forward`)
+            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
 
         loss = None

@@ -462,14 +462,37 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, mode):
         assert max_diff(plain[name], checkpointed[name]) <= 1e-6, name
 
 
-def test_logits_to_keep_and_sequence_classification():
-    model = trained_model()
+@pytest.mark.parametrize("mode", ["standard", "full", "block", "hc"])
+def test_logits_to_keep_computes_the_output_at_the_kept_positions_only(mode):
+    """Every form of `logits_to_keep` gives the full forward's logits at those positions; under AttnRes the output
+    step reads its sources at the kept positions alone (prefill keeps the last one), unless hidden states are
+    recorded, which keep every position as Llama's do."""
+    model = trained_model(residual_mode=mode, block_size=3)
     ids = input_batch(model.config)
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    mask[0, 2] = mask[1, 5] = mask[1, 9] = True
+    output_step_tokens = []
+    model.model.output_residual.register_forward_pre_hook(
+        lambda module, depth_state: output_step_tokens.append(depth_state[-1].shape[:-1])
+    )
     with torch.no_grad():
         full = model(ids).logits
-        last = model(ids, logits_to_keep=1).logits
-    assert last.shape[1] == 1 and max_diff(last[:, 0], full[:, -1]) <= 1e-6
+        for keep, expected in [(1, full[:, -1:]), (3, full[:, -3:]), (torch.tensor([0, 4]), full[:, [0, 4]])]:
+            assert max_diff(model(ids, logits_to_keep=keep).logits, expected) <= 1e-6
+        kept = model(ids, logits_to_keep=mask).logits
+        assert kept.shape == (3, model.config.vocab_size) and max_diff(kept, full[mask]) <= 1e-5
+        assert max_diff(model(ids, logits_to_keep=99).logits, full) == 0
+        last_hidden = model.model(ids, logits_to_keep=2).last_hidden_state
+        assert max_diff(last_hidden, model.model(ids).last_hidden_state[:, -2:]) <= 1e-6
+        recorded = model(ids, logits_to_keep=1, output_hidden_states=True)
+    assert max_diff(recorded.logits, full[:, -1:]) <= 1e-6 and recorded.hidden_states[-1].shape[1] == ids.shape[1]
+    if mode in ("full", "block"):
+        assert output_step_tokens == [(2, 11), (2, 1), (2, 3), (2, 2), (3,), (2, 11), (2, 2), (2, 11), (2, 11)]
 
+
+def test_sequence_classification():
+    model = trained_model()
+    ids = input_batch(model.config)
     classifier = AutoModelForSequenceClassification.from_config(tiny_config(num_labels=3)).eval()
     classifier.model.load_state_dict(model.model.state_dict())
     with torch.no_grad():
