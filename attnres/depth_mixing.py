@@ -324,7 +324,7 @@ class DepthAttention(nn.Module):
     The step reads its row of phase 1, computed for the whole block when the previous block closed, and leaves
     phase 2 (or, for the block's first step, the cast of phase 1's row) to the following pre-norm (`PendingInput`)
     unless the state asks it to `materialize` its input; the step that closes a block computes phase 1 for the next
-    one (SPEC §6).
+    one (SPEC §6), except after the last sublayer: the output step computes its own, at the positions the model keeps.
     """
 
     def __init__(self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int):
