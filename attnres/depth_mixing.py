@@ -354,12 +354,10 @@ class DepthAttention(nn.Module):
         *blocks_and_obar: torch.Tensor,
     ) -> torch.Tensor | PendingInput:
         blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
+        query, offset = self.query() if queries is None else queries[self.position - 1], self.block_offset
         if not obar:  # the output step, or queries not gathered (sharded parameters): this step's own phase 1
-            query = self.query() if queries is None else queries[self.position - 1]
             obar, lse = kernels.phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
             offset = 0
-        else:
-            query, offset = queries[self.position - 1], self.block_offset
         if partial is None:  # the block's first step: phase 1 is the whole softmax
             if materialize:
                 return cast(obar[offset], blocks[0].dtype)
