@@ -542,7 +542,8 @@ std::vector<at::Tensor> phase1_backward(
     float* grad_inv_rms_p = grad_inv_rms.data_ptr<float>();
     const float* grad_appended_p = grad_appended_c.defined() ? grad_appended_c.data_ptr<float>() : nullptr;
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
-      std::vector<float> scratch(num_blocks * hidden), grad_row_scratch(hidden), dots_p(num_blocks * num_queries);
+      // `go_dots[n * S + s]` is `go_s . v_n`: each query's output gradient against each of the token's block rows.
+      std::vector<float> scratch(num_blocks * hidden), grad_row_scratch(hidden), go_dots(num_blocks * num_queries);
       std::vector<float> delta(num_queries), p(num_queries), coef(num_queries);
       std::vector<const float*> rows(num_blocks), go(num_queries), query_rows(num_queries);
       std::vector<float*> grad_q_rows(num_queries);
@@ -556,7 +557,7 @@ std::vector<at::Tensor> phase1_backward(
         std::fill(delta.begin(), delta.end(), 0.f);
         for (int64_t n = 0; n < num_blocks; ++n) {
           rows[n] = fp32_row(block_p[n] + t * hidden, hidden, scratch.data() + n * hidden);
-          float* row_dots = dots_p.data() + n * num_queries;
+          float* row_dots = go_dots.data() + n * num_queries;
           in_groups(num_queries, [&]<int64_t G>(int64_t first) {
             dots<G>(rows[n], go.data() + first, hidden, row_dots + first);
           });
@@ -570,7 +571,7 @@ std::vector<at::Tensor> phase1_backward(
           for (int64_t s = 0; s < num_queries; ++s) {
             const int64_t score = (n * num_queries + s) * tokens + t;
             p[s] = weights_p[score];
-            const float ds = p[s] * (dots_p[n * num_queries + s] - delta[s] + gl_p[s * tokens + t]);
+            const float ds = p[s] * (go_dots[n * num_queries + s] - delta[s] + gl_p[s * tokens + t]);
             grad_r += ds * raw_p[score];
             coef[s] = ds * r;
           }
