@@ -79,8 +79,9 @@ def initial_depth_state(
 
     For AttnRes, `queries` are every step's folded pseudo-query (`AttnResModel.depth_queries`; `None` for the
     ablations), with which phase 1 of the first block is computed here, and `materialize` is the state's flag. The
-    kernels are chosen here for the embeddings' device: a model dispatched over several devices by accelerate
-    executes every layer on devices of one type (offloaded layers run on the main device).
+    kernels are chosen here for the embeddings' device (a model dispatched over several devices by accelerate
+    executes every layer on devices of one type; offloaded layers run on the main device) and for whether autograd
+    records the forward pass.
     """
     mode = config.residual_mode
     if mode == "standard":
@@ -89,7 +90,7 @@ def initial_depth_state(
         return inputs_embeds, inputs_embeds.unsqueeze(0)
     if mode in ("hc", "mhc"):
         return (inputs_embeds.unsqueeze(0).expand(config.hc_streams, *inputs_embeds.shape),)
-    kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel)
+    kernels = two_phase_ops(inputs_embeds.device, config.depth_kernel, differentiable=torch.is_grad_enabled())
     if queries is None:
         blocks_inv_rms = inverse_rms(inputs_embeds, config.rms_norm_eps).unsqueeze(0)
         return kernels, materialize, queries, blocks_inv_rms, None, None, inputs_embeds
@@ -154,8 +155,9 @@ TORCH_KERNELS = DepthKernels.unfused(
 )
 
 
-def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKernels:
-    """The implementations that compute depth attention for tensors on `device`.
+def two_phase_ops(device: torch.device, depth_kernel: str = "auto", differentiable: bool = True) -> DepthKernels:
+    """The implementations that compute depth attention for tensors on `device`; with `differentiable=False`, ones
+    that may assume autograd records nothing (the C++ kernels then skip checking it in every call).
 
     Under `"auto"` (the config field `depth_kernel` and the environment variable `ATTNRES_DEPTH_KERNEL`): the Triton
     kernels (`attnres.kernels`) on CUDA when Triton is importable; on the CPU, the fused C++ kernels
@@ -164,7 +166,9 @@ def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKern
     on any device (on CPU that means Triton's interpreter, `TRITON_INTERPRET=1`, for tests) and
     `ATTNRES_DEPTH_KERNEL=cpu` the C++ ones for CPU tensors; either fails if its kernels cannot be loaded.
 
-    The model asks once per forward pass (`initial_depth_state`), and the choice is made once per combination
+    The model asks once per forward pass (`initial_depth_state`), `differentiable` when gradients are on as it starts
+    (a forward pass never turns them on inside; activation checkpointing turns them off for its first pass, which the
+    kernels with autograd check call by call), and the choice is made once per combination
     (`_remembered_kernels`): when decoding one token on a CPU, re-importing and re-checking cost more than phase 2.
     Inside `torch.compile` the choice is traced instead (dynamo does not trace into the cache), and the CPU's is the
     PyTorch path, whose plain operations inductor fuses itself.
@@ -173,11 +177,13 @@ def two_phase_ops(device: torch.device, depth_kernel: str = "auto") -> DepthKern
     if override not in ("auto", "reference", "triton", "cpu"):
         raise ValueError(f"ATTNRES_DEPTH_KERNEL must be 'auto', 'reference', 'triton' or 'cpu', got {override!r}")
     if torch.compiler.is_compiling():
-        return _select_kernels(device.type, depth_kernel, override, compiling=True)
-    return _remembered_kernels(device.type, depth_kernel, override)
+        return _select_kernels(device.type, depth_kernel, override, differentiable, compiling=True)
+    return _remembered_kernels(device.type, depth_kernel, override, differentiable)
 
 
-def _select_kernels(device_type: str, depth_kernel: str, override: str, compiling: bool = False) -> DepthKernels:
+def _select_kernels(
+    device_type: str, depth_kernel: str, override: str, differentiable: bool, compiling: bool = False
+) -> DepthKernels:
     """`two_phase_ops`'s choice. The imports are absolute and inside `try` because this file is copied flat into
     remote-code checkpoints, which must load where neither `attnres` nor Triton is installed."""
     if depth_kernel == "reference" or override == "reference":
@@ -188,8 +194,7 @@ def _select_kernels(device_type: str, depth_kernel: str, override: str, compilin
         except ImportError:
             cpu = None
         if cpu is not None and cpu.extension() is not None:
-            fused = (cpu.phase1, cpu.phase1_rms_norm, cpu.phase2_rms_norm, cpu.append_inverse_rms, cpu.close_block)
-            return DepthKernels(*fused)
+            return DepthKernels(*(cpu.KERNELS if differentiable else cpu.KERNELS_WITHOUT_AUTOGRAD))
         if override == "cpu":
             raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
         return TORCH_KERNELS
@@ -272,13 +277,6 @@ class DepthQuery(nn.Module):
             query = query + offset
         return query if self.key_norm_weight is None else query * as_float32(self.key_norm_weight)
 
-    def runs_only_forward(self) -> bool:
-        """Whether calling this module runs nothing but `DepthQuery.forward`: not a subclass's, and no hook attached
-        (torch's, global or the module's, or accelerate's, which replaces `forward` on the instance)."""
-        module_hooks = self._forward_hooks or self._forward_pre_hooks
-        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-        return type(self) is DepthQuery and "forward" not in vars(self) and not module_hooks and not global_hooks
-
 
 def fold_queries(steps: Sequence[nn.Module], hidden_size: int) -> torch.Tensor | None:
     """`torch.stack([step() for step in steps])` for `DepthQuery` modules (or wrappers of them): `[len(steps), D]`.
@@ -289,22 +287,41 @@ def fold_queries(steps: Sequence[nn.Module], hidden_size: int) -> torch.Tensor |
     When every call would run nothing but `DepthQuery.forward`, the parameters are stacked and folded in three tensor
     operations instead of one module call each: this runs on every forward pass, and 2L + 1 module calls cost more
     than a decoder layer when decoding one token on a CPU. The fold is elementwise, so the result is the same. The
-    parameters are read from `_parameters` because `nn.Module.__getattr__` alone costs microseconds per read.
+    parameters are read from `_parameters` because `nn.Module.__getattr__` alone costs microseconds per read, and the
+    checks look at all the steps in one pass each, since at decode they cost as much as the fold.
     """
-    if all(isinstance(step, DepthQuery) and step.runs_only_forward() for step in steps):
+    if _run_only_forward(steps):
         pseudo_queries = [step._parameters["pseudo_query"] for step in steps]
         gains = [step._parameters["key_norm_weight"] for step in steps]
-        if not all(_holds_full_value(parameter, hidden_size) for parameter in (*pseudo_queries, *gains)):
+        if not _hold_full_values((*pseudo_queries, *gains), hidden_size):
             return None
         return as_float32(torch.stack(pseudo_queries)) * as_float32(torch.stack(gains))
-    if not all(_holds_full_value(parameter, hidden_size) for step in steps for parameter in step.parameters()):
+    if not _hold_full_values([parameter for step in steps for parameter in step.parameters()], hidden_size):
         return None
     return torch.stack([step() for step in steps])
 
 
-def _holds_full_value(parameter: torch.Tensor, size: int) -> bool:
-    """Whether `parameter` (a `[size]` vector) is whole: not a DTensor shard nor an empty placeholder."""
-    return parameter.numel() == size and not isinstance(parameter, DTensor)
+def _run_only_forward(steps: Sequence[nn.Module]) -> bool:
+    """Whether calling each of `steps` runs nothing but `DepthQuery.forward`: not a subclass's nor a wrapper's, and no
+    hook attached (torch's, global or the module's, or accelerate's, which replaces `forward` on the instance)."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return False
+    return all(
+        type(step) is DepthQuery
+        and not step._forward_hooks
+        and not step._forward_pre_hooks
+        and "forward" not in step.__dict__
+        for step in steps
+    )
+
+
+def _hold_full_values(parameters: Sequence[torch.Tensor], size: int) -> bool:
+    """Whether every one of `parameters` (`[size]` vectors) is whole: no DTensor shard nor empty placeholder. A plain
+    `nn.Parameter` is no DTensor; `isinstance` (a tensor subclass check, slower than the rest) is left to others."""
+    return all(
+        parameter.numel() == size and (type(parameter) is nn.Parameter or not isinstance(parameter, DTensor))
+        for parameter in parameters
+    )
 
 
 class StandardResidual(nn.Module):
@@ -353,16 +370,25 @@ class DepthAttention(nn.Module):
         partial: torch.Tensor | None,
         *blocks_and_obar: torch.Tensor,
     ) -> torch.Tensor | PendingInput:
-        blocks, obar = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)
-        query, offset = self.query() if queries is None else queries[self.position - 1], self.block_offset
-        if not obar:  # the output step, or queries not gathered (sharded parameters): this step's own phase 1
-            obar, lse = kernels.phase1(blocks, blocks_inv_rms, query.unsqueeze(0))
+        # The state's trailing tensors are the completed blocks, then phase 1's rows for this block's steps, if any.
+        num_blocks = blocks_inv_rms.shape[0]
+        has_rows = len(blocks_and_obar) > num_blocks
+        # A block's first step reads its row of phase 1 and nothing else (indexing costs a dispatch at decode).
+        if has_rows and partial is None:
+            query = None
+        else:
+            query = self.query() if queries is None else queries[self.position - 1]
+        if has_rows:
+            obar, offset = blocks_and_obar[num_blocks + self.block_offset], self.block_offset
+        else:  # the output step, or queries not gathered (sharded parameters): this step's own phase 1
+            (obar,), lse = kernels.phase1(blocks_and_obar, blocks_inv_rms, query.unsqueeze(0))
             offset = 0
+        dtype = blocks_and_obar[0].dtype
         if partial is None:  # the block's first step: phase 1 is the whole softmax
             if materialize:
-                return cast(obar[offset], blocks[0].dtype)
-            return PendingInput(kernels.phase1_rms_norm, (obar[offset], blocks[0].dtype))
-        args = (obar[offset], lse[offset], partial, query, self.eps)
+                return cast(obar, dtype)
+            return PendingInput(kernels.phase1_rms_norm, (obar, dtype))
+        args = (obar, lse[offset], partial, query, self.eps)
         if materialize:
             return phase2(*args)
         return PendingInput(kernels.phase2_rms_norm, args)

@@ -33,6 +33,8 @@ Usage:
     python -m benchmarks.overhead --shapes small --repeats 3   # quick look
     python -m benchmarks.overhead --shapes small small-moe --no-memory --seconds 120 --train-seconds 900 \
         --output benchmarks/results/overhead_long.json     # the small shapes to a few tenths of a percent (38 min)
+    python -m benchmarks.overhead --shapes smollm2-135m --workloads prefill --no-memory --seconds 600 \
+        --output benchmarks/results/overhead_smollm2_prefill.json  # SmolLM2's prefill to about half a percent
 
 Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
 first on `sys.path` and `benchmarks/kernels.py` would shadow the `kernels` package that Transformers probes for.
@@ -48,6 +50,7 @@ import statistics
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -76,6 +79,7 @@ SHAPES = {
     ),
 }
 MODES = ("standard", "block", "full")
+WORKLOADS = ("prefill", "decode", "train")
 PREFILL_TOKENS, DECODE_PROMPT, DECODE_STEPS, TRAIN_BATCH, TRAIN_TOKENS = 512, 512, 64, 4, 256
 
 
@@ -189,7 +193,7 @@ def decode_sequence(
 
 
 def measure_times(
-    models: dict, repeats: int, seconds: dict[str, float], compile_models: bool
+    models: dict, repeats: int, seconds: dict[str, float], compile_models: bool, workloads: Sequence[str] = WORKLOADS
 ) -> dict[str, list[list[tuple[str, float]]]]:
     """Samples per workload: sequences of `(model, seconds)` in the order they ran. Prefill and the training step
     run in rounds (`round_order`; at least `repeats`, more until `seconds[workload]` have passed: small shapes get
@@ -204,7 +208,7 @@ def measure_times(
         "train": torch.randint(0, vocab, (TRAIN_BATCH, TRAIN_TOKENS), generator=generator),
     }
     results = {}
-    for workload in ("prefill", "decode", "train"):
+    for workload in workloads:
         for model in models.values():
             model.train(workload == "train")
         if compile_models:
@@ -320,6 +324,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=12, help="keep running prefills (and decodes) this long")
     # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
     parser.add_argument("--train-seconds", type=float, default=50, help="keep running training steps this long")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
@@ -338,7 +343,7 @@ def main() -> None:
         baseline = next(iter(models))
         for execution in ["eager"] + (["compile"] if args.compile else []):
             print(f"{shape}, {execution}:", file=sys.stderr)
-            times = measure_times(models, args.repeats, seconds, compile_models=execution == "compile")
+            times = measure_times(models, args.repeats, seconds, execution == "compile", args.workloads)
             for name in models:
                 row = {"shape": shape, "mode": execution, "model": name}
                 for workload, sequences in times.items():
@@ -359,15 +364,15 @@ def main() -> None:
     print("| shape | mode | model | prefill | decode / token | train step | train peak: tensors | train peak: RSS |")
     print("|" + "---|" * 8)
     for row in rows:
+        times = [
+            f"{row[workload + '_ratio']:.3f}x ({row[workload + '_s'] * 1e3:.{digits}f} ms)" if workload + "_s" in row else "-"
+            for workload, digits in zip(WORKLOADS, (0, 1, 0), strict=True)
+        ]
         memory = [
             f"{row[key + '_ratio']:.3f}x ({row[key + '_mib']:.0f} MiB)" if key + "_mib" in row else "-"
             for key in ("train_tensor_peak", "train_peak")
         ]
-        print(
-            f"| {row['shape']} | {row['mode']} | {row['model']} | {row['prefill_ratio']:.3f}x ({row['prefill_s'] * 1e3:.0f} ms)"
-            f" | {row['decode_ratio']:.3f}x ({row['decode_s'] * 1e3:.1f} ms) | {row['train_ratio']:.3f}x"
-            f" ({row['train_s'] * 1e3:.0f} ms) | {memory[0]} | {memory[1]} |"
-        )
+        print(f"| {row['shape']} | {row['mode']} | {row['model']} | {' | '.join(times + memory)} |")
     machine = {
         "processor": cpu_model(),
         "threads": torch.get_num_threads(),

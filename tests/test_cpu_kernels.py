@@ -206,16 +206,19 @@ def test_non_contiguous_inputs():
 
 def test_gain_of_another_dtype_takes_the_pytorch_path():
     """A bf16 model with an fp32 gain (as under autocast): the reference promotes the product to fp32, which the
-    kernels (one dtype throughout) do not, so the PyTorch implementation computes it."""
+    kernels (one dtype throughout) do not, so the PyTorch implementation computes it, with autograd and without."""
     obar, lse, partial, query, norm_weight = phase2_inputs((2, 3), 48, torch.bfloat16)
-    args = (obar, lse, partial, query, EPS, norm_weight.float(), NORM_EPS)
-    out = cpu.phase2_rms_norm(*args)
-    assert out.dtype == torch.float32
-    assert torch.equal(out, two_phase_torch.phase2_rms_norm(*args))
-    args = (obar, torch.bfloat16, norm_weight.float(), NORM_EPS)
-    out = cpu.phase1_rms_norm(*args)
-    assert out.dtype == torch.float32
-    assert torch.equal(out, two_phase_torch.phase1_rms_norm(*args))
+    gain = norm_weight.float().requires_grad_()
+    for phase2_rms_norm in (cpu.phase2_rms_norm, cpu.phase2_rms_norm_without_autograd):
+        args = (obar, lse, partial, query, EPS, gain, NORM_EPS)
+        out = phase2_rms_norm(*args)
+        assert out.dtype == torch.float32 and out.requires_grad
+        assert torch.equal(out, two_phase_torch.phase2_rms_norm(*args))
+    for phase1_rms_norm in (cpu.phase1_rms_norm, cpu.phase1_rms_norm_without_autograd):
+        args = (obar, torch.bfloat16, gain, NORM_EPS)
+        out = phase1_rms_norm(*args)
+        assert out.dtype == torch.float32 and out.requires_grad
+        assert torch.equal(out, two_phase_torch.phase1_rms_norm(*args))
 
 
 @pytest.mark.parametrize("residual_mode", ["block", "full"])

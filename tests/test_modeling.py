@@ -291,8 +291,10 @@ def test_per_step_phase1_when_queries_cannot_be_gathered(residual_mode, monkeypa
     assert model.model.depth_queries() is not None
     logits, grads = logits_and_grads()
     # What an FSDP1 / ZeRO-3 placeholder looks like outside its unit's forward: an empty tensor.
-    assert not depth_mixing._holds_full_value(torch.empty(0), model.config.hidden_size)
-    monkeypatch.setattr(depth_mixing, "_holds_full_value", lambda parameter, size: False)
+    hidden_size = model.config.hidden_size
+    assert not depth_mixing._hold_full_values([torch.ones(hidden_size), torch.empty(0)], hidden_size)
+    assert depth_mixing._hold_full_values([torch.ones(hidden_size), torch.zeros(hidden_size)], hidden_size)
+    monkeypatch.setattr(depth_mixing, "_hold_full_values", lambda parameters, size: False)
     assert model.model.depth_queries() is None
     per_step_logits, per_step_grads = logits_and_grads()
     assert max_diff(per_step_logits, logits) <= 1e-5

@@ -1,5 +1,10 @@
 """The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, flanked time ratios."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from benchmarks.overhead import TensorMemoryPeak, flanked_ratios, rotated, round_order
@@ -56,3 +61,19 @@ def test_rotation_gives_every_model_every_position():
     for position in range(len(models)):
         assert sorted(round_[position] for round_ in rounds) == sorted(models)
     assert rotated(models, 5) == rounds[1]
+
+
+def test_benchmark_runs_the_workloads_asked_for(tmp_path):
+    """`--workloads prefill` times prefills only: the JSON rows hold prefill ratios and no other workload's, and the
+    table shows the others as `-`."""
+    output = tmp_path / "overhead.json"
+    command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "prefill"]
+    command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--output", str(output)]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["model"] for row in rows] == ["llama", "standard", "block", "full"]
+    for row in rows:
+        assert row["prefill_samples"] == (3 if row["model"] == "llama" else 1)
+        assert row["prefill_s"] > 0 and not any(key.startswith(("decode", "train")) for key in row)
+    assert "| small | eager | block | " in result.stdout and result.stdout.count(" | - | - | - | - |") == 4

@@ -9,7 +9,9 @@ compiled with PyTorch's C++ extension builder the first time a process needs it 
 cannot be built the model logs why once and keeps `two_phase_torch`, which computes the same.
 
 Inside `torch.compile` the functions here defer to `two_phase_torch`, whose plain tensor operations inductor traces
-and fuses itself.
+and fuses itself. Their `*_without_autograd` variants skip that check and autograd's: the model chooses them for a
+forward pass that starts with gradients off (`depth_mixing.two_phase_ops`), where decoding a token calls them 2L + 1
+times and the checks cost a few Python calls each.
 """
 
 import functools
@@ -108,8 +110,15 @@ def phase1(
         return obar.unbind(0), lse
     if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
         lse, *obar = _Phase1.apply(blocks_inv_rms, queries, None, *blocks)
-    else:
-        _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None, False)
+        return tuple(obar), lse
+    return phase1_without_autograd(blocks, blocks_inv_rms, queries)
+
+
+def phase1_without_autograd(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """`phase1` where autograd records nothing and nothing is compiled: the kernel, called directly."""
+    _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None, False)
     return tuple(obar), lse
 
 
@@ -123,8 +132,15 @@ def close_block(
         return blocks_inv_rms, *phase1(blocks, blocks_inv_rms, queries)
     if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
         blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, queries, eps, *blocks)
-    else:
-        blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps, False)
+        return blocks_inv_rms, tuple(obar), lse
+    return close_block_without_autograd(blocks, blocks_inv_rms, queries, eps)
+
+
+def close_block_without_autograd(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """`close_block` where autograd records nothing and nothing is compiled: the kernel, called directly."""
+    blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps, False)
     return blocks_inv_rms, tuple(obar), lse
 
 
@@ -152,6 +168,11 @@ def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: f
         return two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps)
     if two_phase_torch.differentiating(blocks_inv_rms, block):
         return _AppendInverseRMS.apply(blocks_inv_rms, block, eps)
+    return append_inverse_rms_without_autograd(blocks_inv_rms, block, eps)
+
+
+def append_inverse_rms_without_autograd(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
+    """`append_inverse_rms` where autograd records nothing and nothing is compiled: the kernel, called directly."""
     return extension().append_inverse_rms(blocks_inv_rms, block, eps)
 
 
@@ -164,15 +185,31 @@ def phase2_rms_norm(
     norm_weight: torch.Tensor,
     norm_eps: float,
 ) -> torch.Tensor:
-    """`two_phase_torch.phase2_rms_norm`. The kernel keeps the partial's dtype throughout, so a gain of another
-    dtype (whose product the reference promotes) takes the PyTorch path."""
+    """`two_phase_torch.phase2_rms_norm`."""
     args = (obar, lse, partial, query, eps, norm_weight, norm_eps)
-    if torch.compiler.is_compiling() or norm_weight.dtype != partial.dtype:
+    if torch.compiler.is_compiling():
         return two_phase_torch.phase2_rms_norm(*args)
-    if two_phase_torch.differentiating(obar, lse, partial, query, norm_weight):
+    if norm_weight.dtype == partial.dtype and two_phase_torch.differentiating(obar, lse, partial, query, norm_weight):
         return _Phase2RMSNorm.apply(*args)
-    out, _ = extension().phase2_rms_norm(*args)
-    return out
+    return phase2_rms_norm_without_autograd(*args)
+
+
+def phase2_rms_norm_without_autograd(
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+) -> torch.Tensor:
+    """`phase2_rms_norm` where autograd records nothing and nothing is compiled. The kernel keeps the partial's dtype
+    throughout, so a gain of another dtype (whose product the reference promotes) takes the PyTorch path, with
+    autograd where it records."""
+    args = (obar, lse, partial, query, eps, norm_weight, norm_eps)
+    if norm_weight.dtype != partial.dtype:
+        return two_phase_torch.phase2_rms_norm(*args)
+    return extension().phase2_rms_norm(*args)[0]
 
 
 class _Phase1RMSNorm(torch.autograd.Function):
@@ -191,10 +228,31 @@ class _Phase1RMSNorm(torch.autograd.Function):
 def phase1_rms_norm(
     obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
 ) -> torch.Tensor:
-    """`two_phase_torch.phase1_rms_norm`. The kernel writes the gain's dtype, so a gain of another dtype than the
-    model's takes the PyTorch path."""
-    if torch.compiler.is_compiling() or norm_weight.dtype != dtype:
+    """`two_phase_torch.phase1_rms_norm`."""
+    if torch.compiler.is_compiling():
         return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
-    if two_phase_torch.differentiating(obar, norm_weight):
+    if norm_weight.dtype == dtype and two_phase_torch.differentiating(obar, norm_weight):
         return _Phase1RMSNorm.apply(obar, norm_weight, norm_eps)
+    return phase1_rms_norm_without_autograd(obar, dtype, norm_weight, norm_eps)
+
+
+def phase1_rms_norm_without_autograd(
+    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
+    """`phase1_rms_norm` where autograd records nothing and nothing is compiled. The kernel writes the gain's dtype,
+    so a gain of another dtype than the model's takes the PyTorch path, with autograd where it records."""
+    if norm_weight.dtype != dtype:
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
     return extension().phase1_rms_norm(obar, norm_weight, norm_eps)[0]
+
+
+# The kernels in `depth_mixing.DepthKernels`' order: with autograd (and the PyTorch path inside `torch.compile`), and
+# for a forward pass that autograd does not record, which skips both checks in each of the 2L + 1 steps' calls.
+KERNELS = (phase1, phase1_rms_norm, phase2_rms_norm, append_inverse_rms, close_block)
+KERNELS_WITHOUT_AUTOGRAD = (
+    phase1_without_autograd,
+    phase1_rms_norm_without_autograd,
+    phase2_rms_norm_without_autograd,
+    append_inverse_rms_without_autograd,
+    close_block_without_autograd,
+)
