@@ -32,7 +32,7 @@ Usage:
                                                    # (up to a few minutes per model and workload on 2 cores)
     python -m benchmarks.overhead --shapes small --repeats 3   # quick look
     python -m benchmarks.overhead --shapes small small-moe --no-memory --seconds 120 --train-seconds 900 \
-        --output benchmarks/results/overhead_long.json     # the small shapes to a few tenths of a percent (38 min)
+        --output benchmarks/results/overhead_long.json     # the small shapes to a few tenths of a percent (40 min)
     python -m benchmarks.overhead --shapes smollm2-135m --workloads prefill --no-memory --seconds 600 \
         --output benchmarks/results/overhead_smollm2_prefill.json  # SmolLM2's prefill to about half a percent
 
@@ -365,8 +365,8 @@ def main() -> None:
     print("|" + "---|" * 8)
     for row in rows:
         times = [
-            f"{row[workload + '_ratio']:.3f}x ({row[workload + '_s'] * 1e3:.{digits}f} ms)" if workload + "_s" in row else "-"
-            for workload, digits in zip(WORKLOADS, (0, 1, 0), strict=True)
+            f"{row[key + '_ratio']:.3f}x ({row[key + '_s'] * 1e3:.{digits}f} ms)" if key + "_s" in row else "-"
+            for key, digits in zip(WORKLOADS, (0, 1, 0), strict=True)
         ]
         memory = [
             f"{row[key + '_ratio']:.3f}x ({row[key + '_mib']:.0f} MiB)" if key + "_mib" in row else "-"

@@ -69,7 +69,8 @@ def test_benchmark_runs_the_workloads_asked_for(tmp_path):
     output = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "prefill"]
     command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--output", str(output)]
-    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(output.read_text())["rows"]
     assert [row["model"] for row in rows] == ["llama", "standard", "block", "full"]
