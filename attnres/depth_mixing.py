@@ -127,13 +127,15 @@ class DepthKernels(NamedTuple):
     that `phase1` returns `obar` as a tuple of its S rows `[*tokens, D]`, the form the depth state holds, and
     `close_block(blocks, blocks_inv_rms, queries, eps)`, what a step that closes a block computes: the newest block's
     inverse RMS appended to `blocks_inv_rms`, then phase 1 over all blocks, `(blocks_inv_rms, obar rows, lse)` (the
-    CPU kernel does both in one pass over the blocks)."""
+    CPU kernel does both in one pass over the blocks). `differentiable`: whether the forward pass they were chosen
+    for is recorded by autograd (`two_phase_ops`); when it is not, the steps may update their own tensors in place."""
 
     phase1: Callable
     phase1_rms_norm: Callable
     phase2_rms_norm: Callable
     append_inverse_rms: Callable
     close_block: Callable
+    differentiable: bool = True
 
     @classmethod
     def unfused(
@@ -184,8 +186,16 @@ def two_phase_ops(device: torch.device, depth_kernel: str = "auto", differentiab
 def _select_kernels(
     device_type: str, depth_kernel: str, override: str, differentiable: bool, compiling: bool = False
 ) -> DepthKernels:
-    """`two_phase_ops`'s choice. The imports are absolute and inside `try` because this file is copied flat into
-    remote-code checkpoints, which must load where neither `attnres` nor Triton is installed."""
+    """`two_phase_ops`'s choice, with its `differentiable` flag."""
+    kernels = _select_implementations(device_type, depth_kernel, override, differentiable, compiling)
+    return kernels._replace(differentiable=differentiable)
+
+
+def _select_implementations(
+    device_type: str, depth_kernel: str, override: str, differentiable: bool, compiling: bool
+) -> DepthKernels:
+    """The implementations `two_phase_ops` chooses. The imports are absolute and inside `try` because this file is
+    copied flat into remote-code checkpoints, which must load where neither `attnres` nor Triton is installed."""
     if depth_kernel == "reference" or override == "reference":
         return TORCH_KERNELS
     if device_type == "cpu" and override in ("auto", "cpu") and not compiling:
@@ -404,7 +414,17 @@ class DepthAttention(nn.Module):
         partial: torch.Tensor | None,
         *blocks_and_obar: torch.Tensor,
     ) -> tuple:
-        partial = output if partial is None else partial + output
+        if partial is None:
+            partial = output
+        elif self.block_offset >= 2 and not kernels.differentiable and partial.dtype == output.dtype:
+            # From the block's third step on, the partial sum is a tensor of the model's own (the first step's is
+            # the sublayer's output, the second's their sum). Where autograd records nothing, adding in place saves
+            # allocating a new one per step: memory that, kept beside the completed blocks, glibc would otherwise
+            # place above them at the top of its heap and return to the system once freed, so that every layer
+            # page-faults it back in (SmolLM2 shape, S = 8).
+            partial = partial.add_(output)
+        else:
+            partial = partial + output
         if not self.closes_block:
             return kernels, materialize, queries, blocks_inv_rms, lse, partial, *blocks_and_obar
         blocks, _ = split_blocks_and_obar(blocks_inv_rms, blocks_and_obar)

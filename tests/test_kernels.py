@@ -190,10 +190,11 @@ def kernel_kind(kernels: DepthKernels) -> str:
     """Which implementations `two_phase_ops` chose: `"triton"`, `"cpu"` (the fused C++ kernels) or `"torch"`."""
     if kernels.phase2_rms_norm is phase2_rms_norm:
         return "triton"
+    implementations = kernels[:-1]  # without the `differentiable` flag
     if kernels.phase2_rms_norm in (cpu.phase2_rms_norm, cpu.phase2_rms_norm_without_autograd):
-        assert kernels in (cpu.KERNELS, cpu.KERNELS_WITHOUT_AUTOGRAD)
+        assert implementations in (cpu.KERNELS, cpu.KERNELS_WITHOUT_AUTOGRAD)
         return "cpu"
-    assert kernels == TORCH_KERNELS
+    assert implementations == TORCH_KERNELS[:-1]
     return "torch"
 
 
@@ -220,10 +221,11 @@ def test_two_phase_ops_dispatch(device, config_kernel, env, kind, monkeypatch):
     else:
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
     assert kernel_kind(two_phase_ops(torch.device(device), config_kernel)) == kind
+    assert two_phase_ops(torch.device(device), config_kernel).differentiable
     # For a forward pass that autograd does not record, the same kind; on the CPU, the kernels without autograd.
     kernels = two_phase_ops(torch.device(device), config_kernel, differentiable=False)
-    assert kernel_kind(kernels) == kind
-    assert (kernels == cpu.KERNELS_WITHOUT_AUTOGRAD) == (kind == "cpu")
+    assert kernel_kind(kernels) == kind and not kernels.differentiable
+    assert (kernels[:-1] == cpu.KERNELS_WITHOUT_AUTOGRAD) == (kind == "cpu")
 
 
 @pytest.fixture
@@ -265,10 +267,10 @@ def test_depth_kernel_config_reaches_the_depth_state(monkeypatch):
     kernels, *_ = initial_depth_state(tiny_config(depth_kernel="reference"), embeddings)
     assert kernel_kind(kernels) == "torch"
     kernels, *_ = initial_depth_state(tiny_config(), embeddings)
-    assert kernels == cpu.KERNELS
+    assert kernels == (*cpu.KERNELS, True)
     with torch.no_grad():
         kernels, *_ = initial_depth_state(tiny_config(), embeddings)
-    assert kernels == cpu.KERNELS_WITHOUT_AUTOGRAD
+    assert kernels == (*cpu.KERNELS_WITHOUT_AUTOGRAD, False)
 
 
 def test_kernel_benchmark_runs_under_interpreter(tmp_path):

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -438,6 +439,44 @@ def test_eager_equals_sdpa():
         model.config._attn_implementation = "sdpa"
         sdpa = model(ids).logits
     assert max_diff(eager, sdpa) <= 1e-5
+
+
+@pytest.mark.parametrize("depth_kernel", ["auto", "reference"])
+def test_forward_without_autograd_sums_each_block_in_place_and_computes_the_same(depth_kernel):
+    """Without autograd a block's partial sum is updated in place from its third step on. The logits are exactly the
+    recorded forward pass's, the sublayers' outputs (which a hook may keep) are left as they were returned, and the
+    partial sum is allocated once per block rather than once per step."""
+    model = trained_model(residual_mode="block", block_size=4, num_hidden_layers=4, depth_kernel=depth_kernel)
+    ids = input_batch(model.config)
+    kept = []
+    hooks = [
+        module.register_forward_hook(lambda module, args, output: kept.append((output, output.clone())))
+        for layer in model.model.layers
+        for module in (layer.mlp, layer.self_attn.o_proj)
+    ]
+    recorded = model(ids).logits
+    kept.clear()
+    captured = {}
+
+    def capture(name: str) -> Callable:
+        def hook(module, args):
+            captured[name] = args
+
+        return hook
+
+    hooks.append(model.model.layers[3].attn_residual.register_forward_pre_hook(capture("third step")))
+    hooks.append(model.model.output_residual.register_forward_pre_hook(capture("output step")))
+    with torch.no_grad():
+        unrecorded = model(ids).logits
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(unrecorded, recorded.detach())
+    assert len(kept) == 8 and all(torch.equal(output, copy) for output, copy in kept)
+    kernels, _, _, _, _, partial, *blocks = captured["output step"]
+    assert not kernels.differentiable and partial is None and len(blocks) == 3
+    # Sublayer 7 is the second block's third step: the sum it received, updated in place by it and sublayer 8,
+    # became the block b_2.
+    assert blocks[2] is captured["third step"][5]
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
