@@ -1,21 +1,29 @@
-"""What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, in the same process.
+"""What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, each AttnRes mode in its own process.
 
 For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
-the MoE rows) and the workloads are timed in interleaved rounds: the baseline runs right before each AttnRes model,
-whose order rotates from round to round (baseline, standard, baseline, block, baseline, full; then baseline, block,
-baseline, full, baseline, standard; ...). The table reports each model's median time and its ratio to the baseline:
-the median over its samples of its time divided by the mean of the baseline's samples right before and right after
-it. The machine's speed drifts by more than the overheads measured (on the shared 2-core VM of the committed results,
-the baseline's training step ranged from 0.58 to 0.92 s within a minute and a half, and the SmolLM2 shape's by 17%
-from one step to the next): flanked by the baseline on both sides, a sample's ratio cancels a drift that is linear
-over the three samples; a ratio to one neighbour carries the drift between the two samples, and a ratio of whole-run
-medians all of it. In eager mode there is no separate warm-up: a slow first sample of every model is absorbed by the
-median. Under `--compile` every model is compiled alike (`torch.compile(model)`) and compiled before timing.
+the MoE rows). Each AttnRes mode (standard, Block, Full) is timed in a fresh process of its own, beside a baseline
+built in that process, one process after the other. Within a process the workloads are timed in interleaved rounds,
+the baseline right before the AttnRes model (baseline, block, baseline, block, ...). The table reports each model's
+median time and its ratio to the baseline: the median over its samples of its time divided by the mean of the
+baseline's samples right before and right after it. The machine's speed drifts by more than the overheads measured
+(on the shared 2-core VM of the committed results, the baseline's training step ranged from 0.58 to 0.92 s within a
+minute and a half, and the SmolLM2 shape's by 17% from one step to the next): flanked by the baseline on both sides,
+a sample's ratio cancels a drift that is linear over the three samples; a ratio to one neighbour carries the drift
+between the two samples, and a ratio of whole-run medians all of it. In eager mode there is no separate warm-up: a
+slow first sample of every model is absorbed by the median. Under `--compile` every model is compiled alike
+(`torch.compile(model)`) and compiled before timing.
+
+Why a process per mode: a user's process runs one model, and models sharing a process share glibc's heap. Full
+AttnRes keeps every sublayer's output alive (at the SmolLM2 shape its prefill takes some 100,000 minor page faults);
+timed in the same process, Block's SmolLM2 prefill took a median of 20,000 page faults (the MLPs' intermediates land
+at the top of the heap that Full grew, above Block's live blocks, and glibc hands that top back to the system when
+they are freed) and measured 1.034x, against 4 page faults and 0.997x in the same rounds without Full. The baseline
+and the AttnRes model still share their process, so that their samples interleave.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
-  across the models in the same order (the baseline decodes one stream of its own before each AttnRes model's; eager:
+  with the baseline in the same order (the baseline decodes one stream of its own before the AttnRes model's; eager:
   a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`), repeated from the prompt until as many
   seconds as prefill gets have passed;
 - train: forward + backward of a batch of 4 x 256 tokens;
@@ -26,7 +34,7 @@ Workloads (fp32):
   (`MALLOC_MMAP_THRESHOLD_=131072` turns that off: RSS then follows the tensors).
 
 Usage:
-    python -m benchmarks.overhead                  # eager, all shapes, ~9 minutes on 2 cores
+    python -m benchmarks.overhead                  # eager, all shapes, ~10 minutes on 2 cores
     python -m benchmarks.overhead --compile --shapes small --no-memory \
         --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
                                                    # (up to a few minutes per model and workload on 2 cores)
@@ -99,9 +107,9 @@ def model_names(shape_name: str) -> list[str]:
     return ["mixtral" if SHAPES[shape_name].get("num_local_experts") else "llama", *MODES]
 
 
-def build_models(shape_name: str) -> dict[str, torch.nn.Module]:
-    """The baseline and one AttnRes model per mode, all holding the baseline's weights."""
-    baseline_name, *modes = model_names(shape_name)
+def build_models(shape_name: str, modes: Sequence[str] = MODES) -> dict[str, torch.nn.Module]:
+    """The baseline and one AttnRes model per mode in `modes`, all holding the baseline's weights."""
+    baseline_name = model_names(shape_name)[0]
     baseline = build_model(shape_name, baseline_name)
     models = {baseline_name: baseline}
     for mode in modes:
@@ -243,6 +251,27 @@ def measure_times(
     return results
 
 
+def times_beside_the_baseline(
+    shape: str, mode: str, threads: int, repeats: int, seconds: dict[str, float], compile_models: bool,
+    workloads: Sequence[str],
+) -> dict[str, list[list[tuple[str, float]]]]:
+    """`measure_times` of the shape's baseline and the AttnRes model of `mode`, built here: run in a fresh process
+    (`fresh_processes`), so that no other AttnRes model has run in it before."""
+    torch.set_num_threads(threads)
+    two_phase_ops(torch.device("cpu"))  # loads the fused CPU kernels here, not inside the first timed sample
+    print(f"{shape}, {'compiled' if compile_models else 'eager'}, {mode}:", file=sys.stderr)
+    return measure_times(build_models(shape, [mode]), repeats, seconds, compile_models, workloads)
+
+
+def fresh_processes(max_workers: int) -> ProcessPoolExecutor:
+    """A pool that runs each task in a new process. The processes fork from a server that has imported torch,
+    Transformers and attnres (and run nothing), so each skips those imports; this module itself is not preloaded, as
+    each child imports it afresh when run as `python -m benchmarks.overhead`."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "attnres"])
+    return ProcessPoolExecutor(max_workers=max_workers, mp_context=context, max_tasks_per_child=1)
+
+
 class TensorMemoryPeak(TorchDispatchMode):
     """The peak of the bytes held by tensor storages allocated while active: what the step's tensors need, whatever
     the allocator (the CPU's counterpart of `torch.cuda.max_memory_allocated`). Each new storage is counted when an
@@ -296,14 +325,10 @@ def train_memory_on_one_thread(shape: str, name: str) -> dict[str, float]:
 
 def peak_train_memories(shape: str) -> dict[str, dict[str, float]]:
     """`train_memory_in_this_process` of every model of the shape, each in a fresh process, so that models measured
-    earlier leave nothing behind. The processes fork from a server that has imported torch, Transformers and attnres
-    (and run nothing), so each skips those imports; this module itself is not preloaded, as each child imports it
-    afresh when run as `python -m benchmarks.overhead`. Two run at a time, one thread each: memory does not depend on
-    timing, and this halves the part of the benchmark's run time that builds and steps each model once more."""
+    earlier leave nothing behind. Two run at a time, one thread each: memory does not depend on timing, and this
+    halves the part of the benchmark's run time that builds and steps each model once more."""
     names = model_names(shape)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "transformers", "attnres"])
-    with ProcessPoolExecutor(max_workers=2, mp_context=context, max_tasks_per_child=1) as pool:
+    with fresh_processes(max_workers=2) as pool:
         memories = pool.map(train_memory_on_one_thread, [shape] * len(names), names)
         return dict(zip(names, memories, strict=True))
 
@@ -321,6 +346,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
+    # The seconds are per shape, all AttnRes modes together: each mode's process gets its share.
     parser.add_argument("--seconds", type=float, default=12, help="keep running prefills (and decodes) this long")
     # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
     parser.add_argument("--train-seconds", type=float, default=50, help="keep running training steps this long")
@@ -330,23 +356,28 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), not
-    # inside the first timed sample.
+    # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), before
+    # the processes that time the models load them.
     depth_kernels = two_phase_ops(torch.device("cpu")).phase1.__module__
 
     seconds = {"prefill": args.seconds, "decode": args.seconds, "train": args.train_seconds}
+    per_mode_seconds = {workload: total / len(MODES) for workload, total in seconds.items()}
     rows = []
     for shape in args.shapes:
-        # Memory first, in fresh processes, before this process holds the shape's models.
+        # Memory first, in fresh processes, then the times, one fresh process per AttnRes mode.
         memory = {} if args.no_memory else peak_train_memories(shape)
-        models = build_models(shape)
-        baseline = next(iter(models))
+        baseline = model_names(shape)[0]
         for execution in ["eager"] + (["compile"] if args.compile else []):
-            print(f"{shape}, {execution}:", file=sys.stderr)
-            times = measure_times(models, args.repeats, seconds, execution == "compile", args.workloads)
-            for name in models:
+            settings = (torch.get_num_threads(), args.repeats, per_mode_seconds, execution == "compile", args.workloads)
+            with fresh_processes(max_workers=1) as pool:  # one after the other
+                futures = {mode: pool.submit(times_beside_the_baseline, shape, mode, *settings) for mode in MODES}
+                times = {mode: future.result() for mode, future in futures.items()}
+            for name in model_names(shape):
+                # The baseline's samples come from every process, each AttnRes model's from its own.
+                runs = list(times.values()) if name == baseline else [times[name]]
                 row = {"shape": shape, "mode": execution, "model": name}
-                for workload, sequences in times.items():
+                for workload in args.workloads:
+                    sequences = [sequence for run in runs for sequence in run[workload]]
                     samples = [time_ for sequence in sequences for model, time_ in sequence if model == name]
                     ratios = [ratio for sequence in sequences for ratio in flanked_ratios(sequence, name, baseline)]
                     row[f"{workload}_s"] = statistics.median(samples)
@@ -359,7 +390,6 @@ def main() -> None:
                     row[key] = mib
                     row[key.replace("_mib", "_ratio")] = mib / memory[baseline][key]
                 rows.append(row)
-        del models
 
     print("| shape | mode | model | prefill | decode / token | train step | train peak: tensors | train peak: RSS |")
     print("|" + "---|" * 8)

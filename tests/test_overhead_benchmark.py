@@ -1,13 +1,22 @@
-"""The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, flanked time ratios."""
+"""The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, flanked time ratios, a
+process per AttnRes mode."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.overhead import TensorMemoryPeak, flanked_ratios, rotated, round_order
+from benchmarks.overhead import (
+    TensorMemoryPeak,
+    flanked_ratios,
+    fresh_processes,
+    rotated,
+    round_order,
+    times_beside_the_baseline,
+)
 
 
 def test_tensor_memory_peak_counts_live_storages_once():
@@ -63,9 +72,27 @@ def test_rotation_gives_every_model_every_position():
     assert rotated(models, 5) == rounds[1]
 
 
+def test_fresh_processes_run_each_task_in_a_new_process():
+    """One worker at a time, yet every task gets a process of its own: no AttnRes model is timed in a process where
+    another one ran before."""
+    with fresh_processes(max_workers=1) as pool:
+        pids = [pool.submit(os.getpid).result() for _ in range(3)]
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+
+
+def test_each_mode_is_timed_beside_the_baseline_alone():
+    """The process for one AttnRes mode builds and times that model and the baseline only, the baseline right before
+    each of the mode's samples."""
+    threads = torch.get_num_threads()
+    times = times_beside_the_baseline("small-moe", "block", threads, 2, {"prefill": 0}, False, ["prefill"])
+    [sequence] = times["prefill"]
+    assert [name for name, _ in sequence] == ["mixtral", "block", "mixtral", "block"]
+    assert all(seconds > 0 for _, seconds in sequence)
+
+
 def test_benchmark_runs_the_workloads_asked_for(tmp_path):
     """`--workloads prefill` times prefills only: the JSON rows hold prefill ratios and no other workload's, and the
-    table shows the others as `-`."""
+    table shows the others as `-`. The baseline's samples come from the three modes' processes, one each."""
     output = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "prefill"]
     command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--output", str(output)]
