@@ -1,24 +1,25 @@
-"""What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, each AttnRes mode in its own process.
+"""What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, each model in a process of its own.
 
 For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
-the MoE rows). Each AttnRes mode (standard, Block, Full) is timed in a fresh process of its own, beside a baseline
-built in that process, one process after the other. Within a process the workloads are timed in interleaved rounds,
-the baseline right before the AttnRes model (baseline, block, baseline, block, ...). The table reports each model's
-median time and its ratio to the baseline: the median over its samples of its time divided by the mean of the
-baseline's samples right before and right after it. The machine's speed drifts by more than the overheads measured
-(on the shared 2-core VM of the committed results, the baseline's training step ranged from 0.58 to 0.92 s within a
-minute and a half, and the SmolLM2 shape's by 17% from one step to the next): flanked by the baseline on both sides,
-a sample's ratio cancels a drift that is linear over the three samples; a ratio to one neighbour carries the drift
-between the two samples, and a ratio of whole-run medians all of it. In eager mode there is no separate warm-up: a
-slow first sample of every model is absorbed by the median. Under `--compile` every model is compiled alike
-(`torch.compile(model)`) and compiled before timing.
+the MoE rows) and runs in a process of its own, which times the samples it is asked for (the messages between the
+processes are not timed). The workloads are timed in interleaved rounds, one process computing at a time: the
+baseline runs right before each AttnRes model, whose order rotates from round to round (baseline, standard,
+baseline, block, baseline, full; then baseline, block, baseline, full, baseline, standard; ...). The table reports
+each model's median time and its ratio to the baseline: the median over its samples of its time divided by the mean
+of the baseline's samples right before and right after it. The machine's speed drifts by more than the overheads
+measured (on the shared 2-core VM of the committed results, the baseline's training step ranged from 0.58 to 0.92 s
+within a minute and a half, and the SmolLM2 shape's by 17% from one step to the next): flanked by the baseline on
+both sides, a sample's ratio cancels a drift that is linear over the three samples; a ratio to one neighbour carries
+the drift between the two samples, and a ratio of whole-run medians all of it. In eager mode there is no separate
+warm-up: a slow first sample of every model is absorbed by the median. Under `--compile` every model is compiled
+alike (`torch.compile(model)`) and compiled before timing.
 
-Why a process per mode: a user's process runs one model, and models sharing a process share glibc's heap. Full
-AttnRes keeps every sublayer's output alive (at the SmolLM2 shape its prefill takes some 100,000 minor page faults);
-timed in the same process, Block's SmolLM2 prefill took a median of 20,000 page faults (the MLPs' intermediates land
-at the top of the heap that Full grew, above Block's live blocks, and glibc hands that top back to the system when
-they are freed) and measured 1.034x, against 4 page faults and 0.997x in the same rounds without Full. The baseline
-and the AttnRes model still share their process, so that their samples interleave.
+Why a process per model: a user's process runs one model, and models that share a process share glibc's heap. The
+models' allocations interleave in it, and when a free leaves more than glibc's trim threshold at the top of the heap,
+glibc hands those pages back to the system, so that the next model touches them afresh. At the SmolLM2 shape, Block
+AttnRes timed in one process with Llama took a median of 11,000 minor page faults per prefill (Llama none) and
+measured 1.035x; with glibc told to keep 64 MiB at the top (`MALLOC_TOP_PAD_=67108864`), the same rounds took 3 page
+faults and measured 1.009x. Run alone, one prefill after another, Block takes no page faults after its second.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
@@ -50,6 +51,7 @@ Prints a markdown table and writes JSON to benchmarks/results/overhead.json.
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import platform
@@ -57,8 +59,9 @@ import re
 import statistics
 import sys
 import time
+import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -107,17 +110,18 @@ def model_names(shape_name: str) -> list[str]:
     return ["mixtral" if SHAPES[shape_name].get("num_local_experts") else "llama", *MODES]
 
 
-def build_models(shape_name: str, modes: Sequence[str] = MODES) -> dict[str, torch.nn.Module]:
-    """The baseline and one AttnRes model per mode in `modes`, all holding the baseline's weights."""
-    baseline_name = model_names(shape_name)[0]
-    baseline = build_model(shape_name, baseline_name)
-    models = {baseline_name: baseline}
-    for mode in modes:
-        model = build_model(shape_name, mode)
-        missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
-        assert not unexpected and all(k.endswith(("pseudo_query", "key_norm_weight")) for k in missing)
-        models[mode] = model
-    return models
+def build_with_baseline_weights(shape_name: str, name: str) -> torch.nn.Module:
+    """The model `name` of the shape holding the baseline's weights; an AttnRes model's own parameters (pseudo-queries,
+    key norms) keep their initial values. Every model, the baseline too, is built the same way, loading the weights
+    of a baseline built for the purpose, which is then freed: glibc raises its threshold for serving blocks from
+    fresh pages (its dynamic mmap threshold, up to 32 MiB) whenever a block it mapped is freed, so that a process
+    which never freed one pays a page fault for every page of every activation (the SmolLM2 baseline's prefill took
+    1.15x its own time then), where a user's process has loaded a checkpoint."""
+    baseline = build_model(shape_name, model_names(shape_name)[0])
+    model = build_model(shape_name, name)
+    missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
+    assert not unexpected and all(k.endswith(("pseudo_query", "key_norm_weight")) for k in missing)
+    return model
 
 
 def prefill(model, ids):
@@ -134,6 +138,118 @@ def timed(function, model, ids) -> float:
     start = time.perf_counter()
     function(model, ids)
     return time.perf_counter() - start
+
+
+class ModelWorker:
+    """One model inside the process that runs it: it times the samples it is asked for and holds its decode streams'
+    KV caches. Compiled models decode with a `StaticCache` (fixed shapes: Transformers' way to compile generation; a
+    growing `DynamicCache` recompiles at every length), eager ones with the `DynamicCache` that `generate` uses by
+    default."""
+
+    functions = {"prefill": prefill, "train": train_step}
+
+    def __init__(self, shape: str, name: str, threads: int, compile_model: bool):
+        torch.set_num_threads(threads)
+        two_phase_ops(torch.device("cpu"))  # loads the fused CPU kernels now, not inside the first timed sample
+        self.model = build_with_baseline_weights(shape, name)
+        self.compile_model = compile_model
+        self.runner = self.model
+        self.streams: dict[str, tuple[DynamicCache | StaticCache, torch.Tensor]] = {}
+
+    def start(self, workload: str, ids: torch.Tensor) -> None:
+        """Sets the model up for `workload`, dropping the decode streams. Compiled, the model is compiled afresh and,
+        for prefill and training, run once on `ids` outside the timed samples (decode compiles in a first,
+        untimed `decode_sequence`)."""
+        self.streams.clear()
+        self.model.train(workload == "train")
+        if self.compile_model:
+            torch._dynamo.reset()
+            self.runner = torch.compile(self.model)
+            if workload in self.functions:
+                self.functions[workload](self.runner, ids)
+
+    def time(self, workload: str, ids: torch.Tensor) -> float:
+        """Seconds one prefill or training step on `ids` takes."""
+        return timed(self.functions[workload], self.runner, ids)
+
+    def start_stream(self, stream: str, prompt: torch.Tensor) -> None:
+        """Runs `prompt` into a new KV cache (not timed), the start of the decode stream `stream`."""
+        config = self.model.config
+        max_length = DECODE_PROMPT + DECODE_STEPS
+        cache = StaticCache(config, max_cache_len=max_length) if self.compile_model else DynamicCache(config=config)
+        positions = torch.arange(prompt.shape[1]).unsqueeze(0)
+        with torch.inference_mode():
+            logits = self.runner(prompt, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1).logits
+        self.streams[stream] = (cache, logits[:, -1:].argmax(-1))
+
+    def decode_step(self, stream: str, position: int) -> float:
+        """Seconds one greedy step of the decode stream `stream` takes, the token at `position`."""
+        cache, token = self.streams[stream]
+        positions = torch.tensor([[position]])
+        with torch.inference_mode():
+            start = time.perf_counter()
+            logits = self.runner(token, cache=cache, position_ids=positions, use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+            seconds = time.perf_counter() - start
+        self.streams[stream] = (cache, token)
+        return seconds
+
+
+def serve(connection, *worker_arguments) -> None:
+    """A model process's loop: builds its `ModelWorker`, then runs each `(method, arguments)` it receives and sends
+    back `(True, result)`, or `(False, traceback)` where it raised, until it receives None."""
+    try:
+        worker = ModelWorker(*worker_arguments)
+    except Exception:
+        worker = None
+        connection.send((False, traceback.format_exc()))
+    while worker is not None and (call := connection.recv()) is not None:
+        method, arguments = call
+        try:
+            connection.send((True, getattr(worker, method)(*arguments)))
+        except Exception:
+            connection.send((False, traceback.format_exc()))
+
+
+class ModelProcess:
+    """A `ModelWorker` in a process of its own: `call("time", "prefill", ids)` runs the worker's method there and
+    returns its result. The process is forked from a server that has imported torch, Transformers and attnres
+    (`fresh_context`), and builds its model as it starts: the first call waits for that."""
+
+    def __init__(self, shape: str, name: str, threads: int, compile_model: bool):
+        self.name = name
+        context = fresh_context()
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=serve, args=(child, shape, name, threads, compile_model), daemon=True)
+        self.process.start()
+        child.close()
+
+    def call(self, method: str, *arguments):
+        self.connection.send((method, arguments))
+        succeeded, result = self.connection.recv()
+        if not succeeded:
+            raise RuntimeError(f"in the process of the model {self.name!r}:\n{result}")
+        return result
+
+    def close(self) -> None:
+        try:
+            self.connection.send(None)
+        except (BrokenPipeError, OSError):
+            pass  # it has already ended (its model failed to build)
+        self.process.join()
+
+
+@contextlib.contextmanager
+def model_processes(shape: str, threads: int, compile_models: bool) -> Iterator[dict[str, ModelProcess]]:
+    """A `ModelProcess` for every model of the shape (`model_names`: the baseline first), ended on exit."""
+    processes = {}
+    try:
+        for name in model_names(shape):
+            processes[name] = ModelProcess(shape, name, threads, compile_models)
+        yield processes
+    finally:
+        for process in processes.values():
+            process.close()
 
 
 def rotated(items: list, shift: int) -> list:
@@ -165,50 +281,32 @@ def flanked_ratios(sequence: list[tuple[str, float]], name: str, baseline: str) 
     return ratios
 
 
-def decode_sequence(
-    runners: dict, models: dict, baseline: str, prompt: torch.Tensor, static_cache: bool
-) -> list[tuple[str, float]]:
+def decode_sequence(processes: dict[str, ModelProcess], baseline: str, prompt: torch.Tensor) -> list[tuple[str, float]]:
     """Per-token times of `DECODE_STEPS` greedy steps after `prompt` (not timed), token by token in `round_order`
     (one round per step): the baseline decodes one stream of its own before each other model's, so that every other
-    model's step sits between two baseline steps at the same length, and machine noise hits all models alike.
-
-    Compiled models decode with a `StaticCache` (fixed shapes: Transformers' way to compile generation; a growing
-    `DynamicCache` recompiles at every length), eager ones with the `DynamicCache` that `generate` uses by default.
-    """
-    others = [name for name in runners if name != baseline]
-    max_length = DECODE_PROMPT + DECODE_STEPS
-    states = {}  # (model, the other model whose stream it is) -> (cache, next input token)
-    with torch.inference_mode():
-        for other in others:
+    model's step sits between two baseline steps at the same length, and machine noise hits all models alike."""
+    others = [name for name in processes if name != baseline]
+    for other in others:
+        for name in (baseline, other):  # each of the baseline's streams is named for the model it runs beside
+            processes[name].call("start_stream", other, prompt)
+    sequence = []
+    for step in range(DECODE_STEPS):
+        for other in rotated(others, step):
             for name in (baseline, other):
-                config = models[name].config
-                cache = StaticCache(config, max_cache_len=max_length) if static_cache else DynamicCache(config=config)
-                positions = torch.arange(DECODE_PROMPT).unsqueeze(0)
-                logits = runners[name](prompt, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
-                states[name, other] = (cache, logits.logits[:, -1:].argmax(-1))
-        sequence = []
-        for step in range(DECODE_STEPS):
-            positions = torch.tensor([[DECODE_PROMPT + step]])
-            for other in rotated(others, step):
-                for name in (baseline, other):
-                    cache, token = states[name, other]
-                    start = time.perf_counter()
-                    logits = runners[name](token, cache=cache, position_ids=positions, use_cache=True).logits
-                    token = logits[:, -1:].argmax(-1)
-                    sequence.append((name, time.perf_counter() - start))
-                    states[name, other] = (cache, token)
+                sequence.append((name, processes[name].call("decode_step", other, DECODE_PROMPT + step)))
     return sequence
 
 
 def measure_times(
-    models: dict, repeats: int, seconds: dict[str, float], compile_models: bool, workloads: Sequence[str] = WORKLOADS
+    shape: str, processes: dict[str, ModelProcess], repeats: int, seconds: dict[str, float], compile_models: bool,
+    workloads: Sequence[str] = WORKLOADS,
 ) -> dict[str, list[list[tuple[str, float]]]]:
     """Samples per workload: sequences of `(model, seconds)` in the order they ran. Prefill and the training step
     run in rounds (`round_order`; at least `repeats`, more until `seconds[workload]` have passed: small shapes get
     many), one sequence each; decode gives one sequence per repetition of `decode_sequence` from the prompt, repeated
     until `seconds["decode"]` have passed. Progress goes to stderr."""
-    baseline, *others = models
-    vocab = models[baseline].config.vocab_size
+    baseline, *others = processes
+    vocab = SHAPES[shape]["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     inputs = {
         "prefill": torch.randint(0, vocab, (1, PREFILL_TOKENS), generator=generator),
@@ -217,32 +315,23 @@ def measure_times(
     }
     results = {}
     for workload in workloads:
-        for model in models.values():
-            model.train(workload == "train")
-        if compile_models:
-            # Every model's forward runs through the same Transformers decorators, whose compiled variants dynamo
-            # counts together: start each workload afresh, and allow a variant per model and input shape.
-            torch._dynamo.reset()
-            torch._dynamo.config.recompile_limit = 8 * len(models)
-        runners = {name: torch.compile(model) if compile_models else model for name, model in models.items()}
+        ids = inputs[workload]
+        for process in processes.values():
+            process.call("start", workload, ids)
+        start = time.perf_counter()
         if workload == "decode":
             if compile_models:  # compiles the prompt's and the one-token graphs, outside the timed samples
-                decode_sequence(runners, models, baseline, inputs["decode"], static_cache=True)
+                decode_sequence(processes, baseline, ids)
             sequences = []
             start = time.perf_counter()
             while not sequences or time.perf_counter() - start < seconds[workload]:
-                sequences.append(decode_sequence(runners, models, baseline, inputs["decode"], compile_models))
+                sequences.append(decode_sequence(processes, baseline, ids))
         else:
-            function = prefill if workload == "prefill" else train_step
-            if compile_models:  # compilation happens on the first call, outside the timed samples
-                for runner in runners.values():
-                    function(runner, inputs[workload])
             sequence = []
-            start = time.perf_counter()
             rounds = 0
             while rounds < repeats or time.perf_counter() - start < seconds[workload]:
                 for name in round_order(baseline, others, rounds):
-                    sequence.append((name, timed(function, runners[name], inputs[workload])))
+                    sequence.append((name, processes[name].call("time", workload, ids)))
                 rounds += 1
             sequences = [sequence]
         samples = sum(len(sequence) for sequence in sequences)
@@ -251,25 +340,13 @@ def measure_times(
     return results
 
 
-def times_beside_the_baseline(
-    shape: str, mode: str, threads: int, repeats: int, seconds: dict[str, float], compile_models: bool,
-    workloads: Sequence[str],
-) -> dict[str, list[list[tuple[str, float]]]]:
-    """`measure_times` of the shape's baseline and the AttnRes model of `mode`, built here: run in a fresh process
-    (`fresh_processes`), so that no other AttnRes model has run in it before."""
-    torch.set_num_threads(threads)
-    two_phase_ops(torch.device("cpu"))  # loads the fused CPU kernels here, not inside the first timed sample
-    print(f"{shape}, {'compiled' if compile_models else 'eager'}, {mode}:", file=sys.stderr)
-    return measure_times(build_models(shape, [mode]), repeats, seconds, compile_models, workloads)
-
-
-def fresh_processes(max_workers: int) -> ProcessPoolExecutor:
-    """A pool that runs each task in a new process. The processes fork from a server that has imported torch,
-    Transformers and attnres (and run nothing), so each skips those imports; this module itself is not preloaded, as
-    each child imports it afresh when run as `python -m benchmarks.overhead`."""
+def fresh_context() -> multiprocessing.context.ForkServerContext:
+    """Processes forked from a server that has imported torch, Transformers and attnres (and run nothing), so each
+    skips those imports; this module itself is not preloaded, as each child imports it afresh when run as
+    `python -m benchmarks.overhead`."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "transformers", "attnres"])
-    return ProcessPoolExecutor(max_workers=max_workers, mp_context=context, max_tasks_per_child=1)
+    return context
 
 
 class TensorMemoryPeak(TorchDispatchMode):
@@ -328,7 +405,7 @@ def peak_train_memories(shape: str) -> dict[str, dict[str, float]]:
     earlier leave nothing behind. Two run at a time, one thread each: memory does not depend on timing, and this
     halves the part of the benchmark's run time that builds and steps each model once more."""
     names = model_names(shape)
-    with fresh_processes(max_workers=2) as pool:
+    with ProcessPoolExecutor(max_workers=2, mp_context=fresh_context(), max_tasks_per_child=1) as pool:
         memories = pool.map(train_memory_on_one_thread, [shape] * len(names), names)
         return dict(zip(names, memories, strict=True))
 
@@ -346,7 +423,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "small", "small-moe"], choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=3, help="least runs per model of prefill and training step")
-    # The seconds are per shape, all AttnRes modes together: each mode's process gets its share.
     parser.add_argument("--seconds", type=float, default=12, help="keep running prefills (and decodes) this long")
     # A training step takes about 6x a prefill: the time it gets buys a few more of its noisier samples.
     parser.add_argument("--train-seconds", type=float, default=50, help="keep running training steps this long")
@@ -357,27 +433,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), before
-    # the processes that time the models load them.
+    # the models' processes load them.
     depth_kernels = two_phase_ops(torch.device("cpu")).phase1.__module__
 
     seconds = {"prefill": args.seconds, "decode": args.seconds, "train": args.train_seconds}
-    per_mode_seconds = {workload: total / len(MODES) for workload, total in seconds.items()}
     rows = []
     for shape in args.shapes:
-        # Memory first, in fresh processes, then the times, one fresh process per AttnRes mode.
+        # Memory first, in fresh processes, then the times, in a process per model.
         memory = {} if args.no_memory else peak_train_memories(shape)
         baseline = model_names(shape)[0]
         for execution in ["eager"] + (["compile"] if args.compile else []):
-            settings = (torch.get_num_threads(), args.repeats, per_mode_seconds, execution == "compile", args.workloads)
-            with fresh_processes(max_workers=1) as pool:  # one after the other
-                futures = {mode: pool.submit(times_beside_the_baseline, shape, mode, *settings) for mode in MODES}
-                times = {mode: future.result() for mode, future in futures.items()}
+            print(f"{shape}, {execution}:", file=sys.stderr)
+            compile_models = execution == "compile"
+            with model_processes(shape, torch.get_num_threads(), compile_models) as processes:
+                times = measure_times(shape, processes, args.repeats, seconds, compile_models, args.workloads)
             for name in model_names(shape):
-                # The baseline's samples come from every process, each AttnRes model's from its own.
-                runs = list(times.values()) if name == baseline else [times[name]]
                 row = {"shape": shape, "mode": execution, "model": name}
-                for workload in args.workloads:
-                    sequences = [sequence for run in runs for sequence in run[workload]]
+                for workload, sequences in times.items():
                     samples = [time_ for sequence in sequences for model, time_ in sequence if model == name]
                     ratios = [ratio for sequence in sequences for ratio in flanked_ratios(sequence, name, baseline)]
                     row[f"{workload}_s"] = statistics.median(samples)

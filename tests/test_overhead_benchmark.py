@@ -1,5 +1,5 @@
 """The overhead benchmark's measures (benchmarks/overhead.py): allocator-independent memory, flanked time ratios, a
-process per AttnRes mode."""
+process per model."""
 
 import json
 import os
@@ -7,15 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.overhead import (
     TensorMemoryPeak,
+    decode_sequence,
     flanked_ratios,
-    fresh_processes,
+    model_processes,
     rotated,
     round_order,
-    times_beside_the_baseline,
 )
 
 
@@ -72,22 +73,25 @@ def test_rotation_gives_every_model_every_position():
     assert rotated(models, 5) == rounds[1]
 
 
-def test_fresh_processes_run_each_task_in_a_new_process():
-    """One worker at a time, yet every task gets a process of its own: no AttnRes model is timed in a process where
-    another one ran before."""
-    with fresh_processes(max_workers=1) as pool:
-        pids = [pool.submit(os.getpid).result() for _ in range(3)]
-    assert len(set(pids)) == 3 and os.getpid() not in pids
-
-
-def test_each_mode_is_timed_beside_the_baseline_alone():
-    """The process for one AttnRes mode builds and times that model and the baseline only, the baseline right before
-    each of the mode's samples."""
+def test_each_model_runs_and_times_its_samples_in_a_process_of_its_own():
+    """Every model of the shape lives in its own process, which times what it is asked to run; decode streams keep
+    their KV caches there, token by token in the rounds' order. An error in a model's process comes back as an error
+    that names the model and carries the traceback."""
     threads = torch.get_num_threads()
-    times = times_beside_the_baseline("small-moe", "block", threads, 2, {"prefill": 0}, False, ["prefill"])
-    [sequence] = times["prefill"]
-    assert [name for name, _ in sequence] == ["mixtral", "block", "mixtral", "block"]
-    assert all(seconds > 0 for _, seconds in sequence)
+    with model_processes("small-moe", threads, compile_models=False) as processes:
+        assert list(processes) == ["mixtral", "standard", "block", "full"]
+        pids = {process.process.pid for process in processes.values()}
+        assert len(pids) == 4 and os.getpid() not in pids
+        ids = torch.randint(0, 8192, (1, 16))
+        for name, process in processes.items():
+            process.call("start", "decode", ids)
+        sequence = decode_sequence({name: processes[name] for name in ("mixtral", "block")}, "mixtral", ids)
+        assert [name for name, _ in sequence[:4]] == ["mixtral", "block", "mixtral", "block"]
+        assert len(sequence) == 2 * 64 and all(seconds > 0 for _, seconds in sequence)
+        processes["full"].call("start", "prefill", ids)
+        assert processes["full"].call("time", "prefill", ids) > 0
+        with pytest.raises(RuntimeError, match=r"(?s)the model 'standard'.*KeyError: 'unknown-stream'"):
+            processes["standard"].call("decode_step", "unknown-stream", 16)
 
 
 def test_benchmark_runs_the_workloads_asked_for(tmp_path):
