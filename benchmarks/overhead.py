@@ -19,7 +19,8 @@ models' allocations interleave in it, and when a free leaves more than glibc's t
 glibc hands those pages back to the system, so that the next model touches them afresh. At the SmolLM2 shape, Block
 AttnRes timed in one process with Llama took a median of 11,000 minor page faults per prefill (Llama none) and
 measured 1.035x; with glibc told to keep 64 MiB at the top (`MALLOC_TOP_PAD_=67108864`), the same rounds took 3 page
-faults and measured 1.009x. Run alone, one prefill after another, Block takes no page faults after its second.
+faults and measured 1.009x. Run alone, one prefill after another, Block takes no page faults after its second. Each
+model's process is set up alike (`build_with_baseline_weights`), so that glibc's thresholds start out the same.
 
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
@@ -255,7 +256,7 @@ def model_processes(shape: str, threads: int, compile_models: bool) -> Iterator[
 def rotated(items: list, shift: int) -> list:
     """`items` starting at position `shift` (modulo their number): the order of the AttnRes models in round `shift`.
     Each model takes every position in turn, so an effect of the position within a round (a drift within the round,
-    what the model before the baseline left in the caches and the allocator) falls on all models alike."""
+    what the model before the baseline left in the CPU's caches) falls on all models alike."""
     shift %= max(len(items), 1)
     return items[shift:] + items[:shift]
 
