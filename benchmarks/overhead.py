@@ -44,7 +44,9 @@ Usage:
     python -m benchmarks.overhead --shapes small small-moe --no-memory --seconds 120 --train-seconds 900 \
         --output benchmarks/results/overhead_long.json     # the small shapes to a few tenths of a percent (40 min)
     python -m benchmarks.overhead --shapes smollm2-135m --workloads prefill --no-memory --seconds 600 \
-        --output benchmarks/results/overhead_smollm2_prefill.json  # SmolLM2's prefill to about half a percent
+        --output benchmarks/results/overhead_smollm2_prefill.json  # SmolLM2's prefill to about a percent (11 min)
+    python -m benchmarks.overhead --shapes smollm2-135m --workloads train --no-memory --train-seconds 1200 \
+        --output benchmarks/results/overhead_smollm2_train.json    # SmolLM2's training step to a few percent (21 min)
 
 Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
 first on `sys.path` and `benchmarks/kernels.py` would shadow the `kernels` package that Transformers probes for.
@@ -114,10 +116,10 @@ def model_names(shape_name: str) -> list[str]:
 def build_with_baseline_weights(shape_name: str, name: str) -> torch.nn.Module:
     """The model `name` of the shape holding the baseline's weights; an AttnRes model's own parameters (pseudo-queries,
     key norms) keep their initial values. Every model, the baseline too, is built the same way, loading the weights
-    of a baseline built for the purpose, which is then freed: glibc raises its threshold for serving blocks from
-    fresh pages (its dynamic mmap threshold, up to 32 MiB) whenever a block it mapped is freed, so that a process
-    which never freed one pays a page fault for every page of every activation (the SmolLM2 baseline's prefill took
-    1.15x its own time then), where a user's process has loaded a checkpoint."""
+    of a baseline built for the purpose, which is then freed, as a user's process loads a checkpoint. glibc sets its
+    thresholds for mapping fresh pages and for returning the heap's top (dynamically, up to 32 MiB) from the blocks
+    it has freed: a SmolLM2 baseline built alone in its process took 70,000 minor page faults per prefill (the models
+    built this way, 2) and ran 1.09x to 1.15x as long as the standard AttnRes model, which is Llama's computation."""
     baseline = build_model(shape_name, model_names(shape_name)[0])
     model = build_model(shape_name, name)
     missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
@@ -176,7 +178,7 @@ class ModelWorker:
     def start_stream(self, stream: str, prompt: torch.Tensor) -> None:
         """Runs `prompt` into a new KV cache (not timed), the start of the decode stream `stream`."""
         config = self.model.config
-        max_length = DECODE_PROMPT + DECODE_STEPS
+        max_length = prompt.shape[1] + DECODE_STEPS
         cache = StaticCache(config, max_cache_len=max_length) if self.compile_model else DynamicCache(config=config)
         positions = torch.arange(prompt.shape[1]).unsqueeze(0)
         with torch.inference_mode():
@@ -294,7 +296,7 @@ def decode_sequence(processes: dict[str, ModelProcess], baseline: str, prompt: t
     for step in range(DECODE_STEPS):
         for other in rotated(others, step):
             for name in (baseline, other):
-                sequence.append((name, processes[name].call("decode_step", other, DECODE_PROMPT + step)))
+                sequence.append((name, processes[name].call("decode_step", other, prompt.shape[1] + step)))
     return sequence
 
 
