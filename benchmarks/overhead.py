@@ -25,7 +25,7 @@ model's process is set up alike (`build_with_baseline_weights`), so that glibc's
 Workloads (fp32):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
-  with the baseline in the same order (the baseline decodes one stream of its own before the AttnRes model's; eager:
+  across the models in the same order (the baseline decodes one stream of its own before each AttnRes model's; eager:
   a `DynamicCache`, as `generate` uses by default; compiled: a `StaticCache`), repeated from the prompt until as many
   seconds as prefill gets have passed;
 - train: forward + backward of a batch of 4 x 256 tokens;

@@ -83,7 +83,7 @@ def test_each_model_runs_and_times_its_samples_in_a_process_of_its_own():
         pids = {process.process.pid for process in processes.values()}
         assert len(pids) == 4 and os.getpid() not in pids
         ids = torch.randint(0, 8192, (1, 16))
-        for name, process in processes.items():
+        for process in processes.values():
             process.call("start", "decode", ids)
         sequence = decode_sequence({name: processes[name] for name in ("mixtral", "block")}, "mixtral", ids)
         assert [name for name, _ in sequence[:4]] == ["mixtral", "block", "mixtral", "block"]
@@ -96,7 +96,7 @@ def test_each_model_runs_and_times_its_samples_in_a_process_of_its_own():
 
 def test_benchmark_runs_the_workloads_asked_for(tmp_path):
     """`--workloads prefill` times prefills only: the JSON rows hold prefill ratios and no other workload's, and the
-    table shows the others as `-`. The baseline's samples come from the three modes' processes, one each."""
+    table shows the others as `-`. The baseline runs right before each AttnRes model: as many samples as they have."""
     output = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "prefill"]
     command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--output", str(output)]
