@@ -146,16 +146,19 @@ class HyperConnection(nn.Module):
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iterations: int) -> torch.Tensor:
-    """Project `exp(logits)` `[..., n, n]` towards the doubly stochastic matrices: alternately normalise rows and
-    columns `iterations` times (columns last, so they sum to 1 exactly and rows to 1 up to the residual error).
+    """mHC's Sinkhorn-Knopp (Xie et al., arXiv:2512.24880, Eq. 9): from `M = exp(logits)` `[..., n, n]`, apply
+    `M <- T_r(T_c(M))` `iterations` times, where T_c normalises the columns and T_r the rows.
 
-    The per-matrix maximum is subtracted first: it scales the matrix by a constant, which the first row
+    Rows come last, so `H_res @ 1 = 1` holds exactly: with `H'_i = sum_j H_res[i, j] H_j` every new stream is a convex
+    combination of the old ones. The columns sum to 1 up to the iteration's residual error.
+
+    The per-matrix maximum is subtracted first: it scales the matrix by a constant, which the first column
     normalisation removes exactly, and keeps `exp` finite whatever the logits.
     """
     matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iterations):
-        matrix = matrix / matrix.sum(dim=-1, keepdim=True)
-        matrix = matrix / matrix.sum(dim=-2, keepdim=True)
+        matrix = matrix / matrix.sum(dim=-2, keepdim=True)  # T_c
+        matrix = matrix / matrix.sum(dim=-1, keepdim=True)  # T_r
     return matrix
 
 
@@ -261,8 +264,12 @@ class ManifoldHyperConnection(nn.Module):
 class StreamAverage(nn.Module):
     """The output of Hyper-Connections and mHC: the streams combined into one hidden state for the final norm.
 
-    The papers sum the streams; the mean differs only by the factor 1/n, which the final RMSNorm removes except
-    through its eps, and with it a fresh HC model (all streams equal) is exactly the PreNorm baseline.
+    Hyper-Connections (Zhu et al., arXiv:2409.19606, §2.1) sum the last streams ("we sum the last hyper hidden matrix
+    row-wise") and pass the sum to the final norm. The mean differs only by the factor 1/n, which the final RMSNorm
+    removes except through its eps, and with it a fresh HC model (all streams equal) is exactly the PreNorm baseline.
+    The mHC paper defines no output head of its own; giving mHC HC's is this project's choice. DeepSeek-V4's mHC
+    (Transformers' `DeepseekV4HyperHead`) learns one instead: per-token weights `sigmoid(s * RMSNorm(vec(H)) phi + b)
+    + eps` over the streams.
     """
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:

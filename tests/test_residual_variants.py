@@ -13,7 +13,7 @@ from transformers.masking_utils import create_causal_mask
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.depth_mixing import TORCH_KERNELS
-from attnres.residual_variants import RecomputedSinkhornKnopp, sinkhorn_knopp
+from attnres.residual_variants import ManifoldHyperConnection, RecomputedSinkhornKnopp, sinkhorn_knopp
 from attnres.two_phase import inverse_rms
 
 from conftest import tiny_config
@@ -204,10 +204,7 @@ def test_mhc_follows_its_definition():
     pre = torch.sigmoid(module.input_gate * (x @ module.input_proj) + module.input_bias)
     post = 2 * torch.sigmoid(module.output_gate * (x @ module.output_proj) + module.output_bias)
     res_logits = module.residual_gate * (x @ module.residual_proj).reshape(*x.shape[:-1], n, n) + module.residual_bias
-    res = torch.exp(res_logits)
-    for _ in range(20):
-        res = res / res.sum(-1, keepdim=True)
-        res = res / res.sum(-2, keepdim=True)
+    res = eq9_sinkhorn(res_logits, 20).float()
     expected_input = sum(pre[..., j, None] * streams[j] for j in range(n))
     expected_streams = [
         sum(res[..., i, j, None] * streams[j] for j in range(n)) + post[..., i, None] * output for i in range(n)
@@ -218,13 +215,40 @@ def test_mhc_follows_its_definition():
         assert ((pre > 0) & (pre < 1)).all() and ((post > 0) & (post < 2)).all()
 
 
+def eq9_sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+    """mHC's Eq. 9 in float64, as written: M^(0) = exp(logits), M^(t) = T_r(T_c(M^(t - 1)))."""
+    matrix = torch.exp(logits.double())
+    for _ in range(iterations):
+        matrix = matrix / matrix.sum(-2, keepdim=True)  # T_c: every column sums to 1
+        matrix = matrix / matrix.sum(-1, keepdim=True)  # T_r: every row sums to 1
+    return matrix
+
+
+@pytest.mark.parametrize("std", [0.5, 2.0, 4.0])
+def test_sinkhorn_knopp_follows_eq9(std):
+    """Columns first, rows last, 20 times; so H_res @ 1 = 1 (each new stream a convex combination of the old)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = std * torch.randn(64, 4, 4, generator=generator)
+    expected = eq9_sinkhorn(logits, 20)
+    assert max_diff(sinkhorn_knopp(logits, 20), expected) <= 1e-6
+    exact = sinkhorn_knopp(logits.double(), 20)
+    assert max_diff(exact, expected) <= 1e-14
+    assert torch.allclose(exact.sum(-1), torch.ones(64, 4, dtype=torch.float64), atol=1e-14)
+    if std >= 2:  # trained-like logits: the rows-last matrix is not the columns-last one
+        columns_last = torch.exp(logits.double())
+        for _ in range(20):
+            columns_last = columns_last / columns_last.sum(-1, keepdim=True)
+            columns_last = columns_last / columns_last.sum(-2, keepdim=True)
+        assert max_diff(columns_last, expected) > 1e-2
+
+
 def test_sinkhorn_knopp_is_doubly_stochastic_and_recomputes_in_backward():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 7, 4, 4, generator=generator, dtype=torch.float64)  # mHC-like spread
     matrix = sinkhorn_knopp(logits, 20)
     assert (matrix >= 0).all()
-    assert torch.allclose(matrix.sum(-2), torch.ones(5, 7, 4, dtype=torch.float64), atol=1e-12)
-    assert torch.allclose(matrix.sum(-1), torch.ones(5, 7, 4, dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(matrix.sum(-1), torch.ones(5, 7, 4, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(matrix.sum(-2), torch.ones(5, 7, 4, dtype=torch.float64), atol=1e-3)
 
     def saved_numel(function) -> tuple[int, torch.Tensor]:
         leaf = logits.clone().requires_grad_()
@@ -241,13 +265,81 @@ def test_sinkhorn_knopp_is_doubly_stochastic_and_recomputes_in_backward():
     assert plain_numel >= 40 * logits.numel()  # ... where plain autograd keeps every iteration
 
 
+def test_mhc_matches_deepseek_v4_hyper_connection():
+    """Against Transformers' DeepSeek-V4 mHC with its eps floors at 0 and our weights mapped onto its own: the
+    coefficients, the projected matrix (DeepSeek mixes with comb^T), one sublayer step and every gradient."""
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    n, d, eps = 4, 48, 1e-6
+    generator = torch.Generator().manual_seed(7)
+    ours = ManifoldHyperConnection(d, position=3, num_streams=n, eps=eps, sinkhorn_iterations=20)
+    with torch.no_grad():  # trained-like: logits of std about 2, where the two Sinkhorn orders differ by 1e-2
+        for projection in (ours.input_proj, ours.output_proj, ours.residual_proj):
+            projection.copy_(torch.randn(projection.shape, generator=generator) / math.sqrt(n * d))
+        for bias in (ours.input_bias, ours.output_bias, ours.residual_bias):
+            bias.copy_(torch.randn(bias.shape, generator=generator))
+        for gate in (ours.input_gate, ours.output_gate, ours.residual_gate):
+            gate.copy_(2 * torch.rand((), generator=generator))
+    config = DeepseekV4Config(hidden_size=d, hc_mult=n, hc_sinkhorn_iters=20, hc_eps=0.0, rms_norm_eps=eps)
+    theirs = DeepseekV4HyperConnection(config)
+    # Their comb is indexed [from stream, to stream], our H_res [to, from]: the residual logits' n x n layout and
+    # its bias are transposed. `fn` holds the projections as rows, in the order pre, post, comb.
+    residual_proj = ours.residual_proj.detach().view(n * d, n, n).transpose(1, 2).reshape(n * d, n * n)
+    with torch.no_grad():
+        theirs.fn.copy_(torch.cat([ours.input_proj, ours.output_proj, residual_proj], dim=1).T)
+        theirs.base.copy_(torch.cat([ours.input_bias, ours.output_bias, ours.residual_bias.T.reshape(-1)]))
+        theirs.scale.copy_(torch.stack([ours.input_gate, ours.output_gate, ours.residual_gate]))
+    sublayer = torch.nn.Linear(d, d)
+    their_sublayer = torch.nn.Linear(d, d)
+    their_sublayer.load_state_dict(sublayer.state_dict())
+
+    streams = torch.randn(n, 2, 5, d, generator=generator).requires_grad_()  # ours: [n, batch, seq, D]
+    their_streams = streams.detach().permute(1, 2, 0, 3).contiguous().requires_grad_()  # theirs: [batch, seq, n, D]
+    post, residual = ours.output_and_residual_weights(streams)
+    new_streams = ours.absorb(sublayer(ours(streams)), streams)[0]
+    their_post, comb, collapsed = theirs(their_streams)
+    # DeepseekV4DecoderLayer's update, without its pre-norm (a part of the sublayer, not of mHC).
+    their_new = their_post.unsqueeze(-1) * their_sublayer(collapsed).unsqueeze(-2) + comb.transpose(-1, -2) @ their_streams
+
+    def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return max_diff(a, b) / b.abs().max().item()
+
+    # fp32 on both sides, the same operations in a different order: a few units of fp32's 1.2e-7.
+    assert relative_error(post, their_post) <= 1e-6
+    assert relative_error(residual, comb.transpose(-1, -2)) <= 1e-6
+    assert (residual - 1 / n).abs().max() > 0.2  # far from uniform, where the order of Sinkhorn's steps matters
+    assert relative_error(ours(streams), collapsed) <= 1e-6
+    assert relative_error(new_streams.permute(1, 2, 0, 3), their_new) <= 1e-6
+
+    weights = torch.randn(new_streams.shape, generator=generator)
+    (new_streams * weights).sum().backward()
+    (their_new * weights.permute(1, 2, 0, 3)).sum().backward()
+    grad_fn = theirs.fn.grad.T
+    their_grads = {
+        "input_proj": grad_fn[:, :n],
+        "output_proj": grad_fn[:, n : 2 * n],
+        "residual_proj": grad_fn[:, 2 * n :].reshape(n * d, n, n).transpose(1, 2).reshape(n * d, n * n),
+        "input_bias": theirs.base.grad[:n],
+        "output_bias": theirs.base.grad[n : 2 * n],
+        "residual_bias": theirs.base.grad[2 * n :].view(n, n).T,
+        "input_gate": theirs.scale.grad[0],
+        "output_gate": theirs.scale.grad[1],
+        "residual_gate": theirs.scale.grad[2],
+    }
+    for name, grad in their_grads.items():
+        assert relative_error(getattr(ours, name).grad, grad) <= 2e-6, name
+    assert relative_error(streams.grad.permute(1, 2, 0, 3), their_streams.grad) <= 2e-6
+    assert relative_error(sublayer.weight.grad, their_sublayer.weight.grad) <= 2e-6
+
+
 def test_mhc_coefficients_stay_fp32_in_bf16():
     model = trained("mhc").to(torch.bfloat16)
     module = model.model.layers[0].mlp_residual
     streams = random_streams()[0].to(torch.bfloat16)
     post, res = module.output_and_residual_weights(streams)
     assert module.input_weights(streams).dtype == post.dtype == res.dtype == torch.float32
-    assert torch.allclose(res.sum(-2), torch.ones(res.shape[:-1]), atol=1e-5)
+    assert torch.allclose(res.sum(-1), torch.ones(res.shape[:-1]), atol=1e-6)
     ids = input_batch(model.config)
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
