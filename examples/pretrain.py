@@ -8,7 +8,10 @@ same order; Macbeth and The Tempest are held out. Writes into `--output`:
     results.md        the markdown table (also printed)
     results.json      every logged number
 
-The defaults (a 4-layer, 128-wide model, 400 steps of 16 x 128 bytes) take a few minutes on a laptop CPU:
+The defaults (a 4-layer, 128-wide model: 8 sublayers, so Block AttnRes with block size 4 has 2 blocks of 4
+sublayers; 400 steps of 16 x 128 bytes) take a few minutes on a laptop CPU. One seed: a difference between the models
+smaller than the seed-to-seed spread is not a result (`benchmarks/ablation.py` runs several seeds and says which
+differences exceed it).
 
     python examples/pretrain.py
     python examples/pretrain.py --modes standard block full --block-size 2
@@ -78,6 +81,10 @@ def build_model(args: argparse.Namespace, mode: str) -> AttnResForCausalLM:
 
 def train(args: argparse.Namespace, mode: str, train_data: Dataset, eval_data: Dataset) -> dict:
     model = build_model(args, mode)
+    block_size = model.config.depth_block_size if mode != "standard" else None
+    if block_size is not None:
+        blocks = math.ceil(model.config.num_sublayers / block_size)
+        print(f"{mode}: block size {block_size} sublayers, {blocks} blocks over {model.config.num_sublayers} sublayers")
     training_args = TrainingArguments(
         output_dir=str(args.output / mode),
         max_steps=args.steps,
@@ -105,7 +112,8 @@ def train(args: argparse.Namespace, mode: str, train_data: Dataset, eval_data: D
     history = trainer.state.log_history
     return {
         "residual_mode": mode,
-        "block_size": model.config.depth_block_size if mode != "standard" else None,
+        "block_size": block_size,
+        "num_blocks": math.ceil(model.config.num_sublayers / block_size) if block_size else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": seconds,
         "train": [(entry["step"], entry["loss"]) for entry in history if "loss" in entry],
@@ -135,15 +143,17 @@ def plot(runs: list[dict], path: Path) -> None:
 def table(runs: list[dict], args: argparse.Namespace) -> str:
     lines = [
         f"Byte-level Shakespeare, {args.layers} layers x {args.hidden_size} wide, {args.steps} steps x "
-        f"{args.batch_size} x {args.seq_len} bytes, seed {args.seed}.",
+        f"{args.batch_size} x {args.seq_len} bytes, {2 * args.layers} sublayers, one seed ({args.seed}): "
+        "differences smaller than the seed-to-seed spread (see benchmarks/ablation.py) are noise.",
         "",
-        "| model | block size | parameters | final train loss | held-out loss | held-out bits/byte | time (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | block size (sublayers) | blocks | parameters | final train loss | held-out loss "
+        "| held-out bits/byte | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         final_eval = run["eval"][-1][1]
         lines.append(
-            f"| {run['residual_mode']} | {run['block_size'] or '-'} | {run['parameters']:,} | "
+            f"| {run['residual_mode']} | {run['block_size'] or '-'} | {run['num_blocks'] or '-'} | {run['parameters']:,} | "
             f"{run['train'][-1][1]:.4f} | {final_eval:.4f} | {final_eval / math.log(2):.4f} | {run['seconds']:.0f} |"
         )
     return "\n".join(lines)
@@ -152,7 +162,9 @@ def table(runs: list[dict], args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["standard", "block"], choices=["standard", "block", "full"])
-    parser.add_argument("--block-size", type=int, default=None, help="sublayers per block (default: about 8 blocks)")
+    parser.add_argument(
+        "--block-size", type=int, default=4, help="Block AttnRes: sublayers per block (at most 2 * --layers)"
+    )
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
