@@ -290,7 +290,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", default="retrofit")
     parser.add_argument("--arms", nargs="+", default=[arm.name for arm in ARMS], choices=[arm.name for arm in ARMS])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--lrs", nargs="+", type=float, default=[3e-5, 1e-4, 3e-4, 1e-3, 3e-3])
+    parser.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
