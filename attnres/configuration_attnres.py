@@ -21,6 +21,29 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_attnres.AttnResForSequenceClassification",
 }
 TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
+# Tensor- and expert-parallel plans of the shared weights: Llama's for attention and the dense MLP, Mixtral's for
+# the experts.
+ATTENTION_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+MLP_TP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+MOE_TP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+MOE_EP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+}
 
 
 class AttnResConfig(PreTrainedConfig):
@@ -79,15 +102,9 @@ class AttnResConfig(PreTrainedConfig):
     model_type = "attnres"
     keys_to_ignore_at_inference = ["cache"]
     attribute_map = {"num_experts": "num_local_experts"}
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
+
+    # Pipeline stages split only at the embedding and the final norm: the decoder layers pass on the whole depth
+    # state, not one `hidden_states` tensor.
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "norm": (["hidden_states"], ["hidden_states"]),
@@ -160,6 +177,18 @@ class AttnResConfig(PreTrainedConfig):
     @property
     def is_moe(self) -> bool:
         return self.num_local_experts > 0
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Llama's plan for attention, and Llama's for the dense MLP or Mixtral's for the experts, whichever this
+        config builds. The depth-mixing modules stay replicated: they read the full hidden states that `o_proj` and
+        `down_proj` all-reduce."""
+        return {**ATTENTION_TP_PLAN, **(MOE_TP_PLAN if self.is_moe else MLP_TP_PLAN)}
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str] | None:
+        """Mixtral's expert-parallel plan for an MoE config; a dense config has no experts to place."""
+        return MOE_EP_PLAN if self.is_moe else None
 
     def _check_fields(self) -> None:
         def fail(field: str, allowed: str) -> None:

@@ -34,6 +34,7 @@ from transformers.models.mixtral.modeling_mixtral import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -103,6 +104,7 @@ class AttnResAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -161,6 +163,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.attn_residual = depth_mixer(config, attn_position)
         self.mlp_residual = depth_mixer(config, mlp_position)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         *depth_state: torch.Tensor | None,
@@ -259,6 +262,7 @@ class AttnResModel(AttnResPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -389,6 +393,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
