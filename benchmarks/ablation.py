@@ -29,6 +29,8 @@ validation split.
         --heads 8 --block-size 4 --seq-len 512 --batch-size 64 --steps 5000 --seeds 0 1 2     # GPU scale
     python -m benchmarks.ablation --save-models models/   # keep the first seed's models for `attnres inspect`
     python -m benchmarks.ablation --from-json benchmarks/results/ablation.json   # re-render the table only
+    python -m benchmarks.ablation --seeds 3 --name seed3 & python -m benchmarks.ablation --seeds 4 --name seed4 & wait
+    python -m benchmarks.ablation --from-json benchmarks/results/ablation.json benchmarks/results/seed{3,4}.json
 
 Writes `<name>.md` (the tables), `<name>.json` (settings, every run, its loss curves and magnitude profile; rewritten
 after every run, so an interrupted run keeps what finished) and `<name>_loss_curves.png` to `--output-dir` (default
@@ -426,7 +428,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 helps on a busy machine)")
     parser.add_argument("--save-models", type=Path, default=None, help="save each variant's first-seed model here")
     parser.add_argument(
-        "--from-json", type=Path, default=None, help="re-render the table and curves of a finished run's JSON"
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="re-render the tables and curves from finished runs' JSON; several files (the same settings, other "
+        "seeds, e.g. seeds run in parallel processes) are merged into one report",
     )
     args = parser.parse_args(argv)
     known = {row.name for row in variants(args)}
@@ -434,6 +441,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name not in known:
             parser.error(f"unknown variant {name!r}; choose from {', '.join(sorted(known))}")
     return args
+
+
+# Settings that may differ between reports merged into one: where they ran and which seeds.
+_PER_PROCESS = ("seeds", "output_dir", "name", "threads", "save_models", "from_json")
+
+
+def merged_reports(reports: list[dict]) -> dict:
+    """One report from runs of the same settings and variants with different seeds; refuses anything else."""
+    first = reports[0]
+    comparable = {key: value for key, value in first["settings"].items() if key not in _PER_PROCESS}
+    seen = set()
+    runs = []
+    for report in reports:
+        settings = {key: value for key, value in report["settings"].items() if key not in _PER_PROCESS}
+        if settings != comparable or report["variants"] != first["variants"]:
+            raise ValueError("Only reports with the same settings and variants (other seeds) can be merged.")
+        for run in report["runs"]:
+            key = (run["variant"], run["seed"])
+            if key in seen:
+                raise ValueError(f"Variant {run['variant']!r} with seed {run['seed']} is in two reports.")
+            seen.add(key)
+            runs.append(run)
+    order = {row["name"]: index for index, row in enumerate(first["variants"])}
+    runs.sort(key=lambda run: (run["seed"], order[run["variant"]]))
+    seeds = sorted({run["seed"] for run in runs})
+    return {**first, "settings": {**first["settings"], "seeds": seeds}, "runs": runs}
 
 
 def write_outputs(report: dict, rows: list[Variant], output_dir: Path, name: str) -> str:
@@ -448,7 +481,7 @@ def write_outputs(report: dict, rows: list[Variant], output_dir: Path, name: str
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.from_json is not None:
-        report = json.loads(args.from_json.read_text())
+        report = merged_reports([json.loads(path.read_text()) for path in args.from_json])
         rows = [Variant(**row) for row in report["variants"]]
         print(write_outputs(report, rows, args.output_dir, args.name))
         return report

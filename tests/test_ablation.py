@@ -76,6 +76,25 @@ def test_runner_writes_the_tables_curves_and_json(ablation, tmp_path):
     assert (again / "tiny.md").read_text() == table
 
 
+def test_reports_of_other_seeds_merge_into_the_report_of_one_run(ablation, tmp_path):
+    small = [*TINY, "--variants", "baseline", "block", "--output-dir", str(tmp_path)]
+    together = ablation.main([*small, "--seeds", "0", "1", "--name", "together"])
+    for seed in ("0", "1"):
+        ablation.main([*small, "--seeds", seed, "--name", f"seed{seed}"])
+    merged = ablation.main(
+        ["--from-json", str(tmp_path / "seed1.json"), str(tmp_path / "seed0.json"), "--output-dir", str(tmp_path),
+         "--name", "merged"]
+    )  # fmt: skip
+    assert merged["settings"]["seeds"] == [0, 1]
+    key = ("variant", "seed", "final_validation_loss", "validation_losses", "data_digest", "input_rms")
+    assert [[run[k] for k in key] for run in merged["runs"]] == [[run[k] for k in key] for run in together["runs"]]
+    with pytest.raises(ValueError, match="two reports"):
+        ablation.merged_reports([json.loads((tmp_path / "seed0.json").read_text())] * 2)
+    other = ablation.main([*small, "--seeds", "2", "--steps", "2", "--eval-every", "1", "--name", "other"])
+    with pytest.raises(ValueError, match="same settings"):
+        ablation.merged_reports([together, other])
+
+
 def test_paired_difference_is_per_seed_with_the_t_criterion(ablation):
     def run(variant, seed, loss):
         return dict(variant=variant, seed=seed, final_validation_loss=loss)
