@@ -1,15 +1,26 @@
 """AttnRes reached through code written for Transformers rather than for it: the deprecated `past_key_values` name,
 attention backends registered with `AttentionInterface`, and continuous batching (`generate_batch`)."""
 
+import inspect
 import warnings
 
 import pytest
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, GenerationConfig
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    DynamicCache,
+    GenerationConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaModel,
+    MixtralForCausalLM,
+    MixtralModel,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnres import AttnResForCausalLM, AttnResModel
+from attnres import AttnResForCausalLM, AttnResForSequenceClassification, AttnResModel
 
 from conftest import randomize_depth_parameters, tiny_config
 
@@ -26,6 +37,26 @@ def prompt_ids(model: AttnResForCausalLM, length: int, seed: int) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------ past_key_values
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (AttnResModel, LlamaModel),
+        (AttnResModel, MixtralModel),
+        (AttnResForCausalLM, LlamaForCausalLM),
+        (AttnResForCausalLM, MixtralForCausalLM),
+        (AttnResForSequenceClassification, LlamaForSequenceClassification),
+    ],
+)
+def test_forward_names_every_argument_llama_and_mixtral_name(ours, theirs):
+    """An argument Llama or Mixtral names but ours leaves to `**kwargs` would be swallowed without effect."""
+    named = lambda model_class: {
+        name
+        for name, parameter in inspect.signature(model_class.forward).parameters.items()
+        if parameter.kind is not parameter.VAR_KEYWORD
+    }
+    assert named(theirs) <= named(ours)
 
 
 @pytest.mark.parametrize("model_class", [AttnResForCausalLM, AttnResModel])
