@@ -71,7 +71,7 @@ def _add_conversion_options(parser: argparse.ArgumentParser) -> None:
         "--no-exact-retrofit",
         dest="exact_retrofit",
         action="store_false",
-        help="keep every pre-norm eps as in the source (the model then differs by the eps effect, SPEC §5)",
+        help="keep every pre-norm eps as in the source (the model then differs by the eps effect, docs/design.md §5)",
     )
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside SRC when SRC is a Hub id or a folder")
     parser.add_argument("--revision", default=None, help="Hub revision when SRC is a Hub id")

@@ -8,9 +8,9 @@ from transformers.modeling_rope_utils import RopeParameters
 
 
 RESIDUAL_MODES = ("standard", "full", "block")
-# Residual connections from other papers, for ablations (SPEC §7); conversions target RESIDUAL_MODES only.
+# Residual connections from other papers, for ablations (docs/design.md §9); conversions target RESIDUAL_MODES only.
 COMPARISON_MODES = ("denseformer", "hc", "mhc")
-# The paper's Table 4 ablations of AttnRes (SPEC §7), applied to Full or Block AttnRes.
+# The paper's Table 4 ablations of AttnRes (docs/design.md §9), applied to Full or Block AttnRes.
 DEPTH_ABLATIONS = ("input_query", "sigmoid", "no_key_norm", "sliding_window", "multi_head")
 # Written into every saved config so the folder loads with `trust_remote_code=True` through any of these Auto classes
 # (saving one model class would otherwise only record that class).
@@ -80,7 +80,7 @@ class AttnResConfig(PreTrainedConfig):
             otherwise; `"reference"` always uses the PyTorch implementation. The environment variable
             `ATTNRES_DEPTH_KERNEL=reference` forces it too.
 
-    Comparison fields (SPEC §7; for ablation studies):
+    Comparison fields (docs/design.md §9; for ablation studies):
         residual_mode (`str`) also accepts `"denseformer"` (a depth-weighted average after decoder blocks), `"hc"`
             (Hyper-Connections) and `"mhc"` (Manifold-Constrained Hyper-Connections). DenseFormer and HC equal the
             `"standard"` model at initialisation.
@@ -144,7 +144,7 @@ class AttnResConfig(PreTrainedConfig):
     block_size: int | None = None
     exact_retrofit: bool = False
     depth_kernel: str = "auto"
-    # Comparison residuals and AttnRes ablations (SPEC §7)
+    # Comparison residuals and AttnRes ablations (docs/design.md §9)
     depth_ablation: str | None = None
     depth_window: int = 8
     depth_heads: int = 4

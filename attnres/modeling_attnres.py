@@ -4,10 +4,12 @@ Kimi Team, "Attention Residuals" (arXiv:2603.15031). The attention, MLP and MoE 
 with their parameter names, so Llama and Mixtral checkpoints convert by copying tensors. What changes is what each
 sublayer reads: instead of the running residual stream, a depth-mixing module (`depth_mixing.py`) in front of every
 sublayer and of the final norm computes its input from everything the network has produced so far. The model's
-forward loop owns that depth state and threads it through the decoder layers.
+forward loop owns that depth state (`depth_state.py`) and threads it through the decoder layers. The math is in
+docs/design.md.
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,24 +41,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import (
-    DepthAttention,
-    DepthQuery,
-    PendingInput,
-    at_positions,
-    depth_mixer,
-    fold_queries,
-    initial_depth_state,
-    pre_norm_eps,
-)
-
-
-def submodule(module: nn.Module, name: str) -> nn.Module:
-    """`getattr(module, name)` for a child module, read from `_modules` where it is registered: `nn.Module.__getattr__`
-    costs microseconds per read, and the model reads every depth step's query on each forward pass. Wrappers that
-    forward attributes to the module they wrap (PEFT's `modules_to_save`) are read through `getattr`."""
-    child = module._modules.get(name)
-    return child if child is not None else getattr(module, name)
+from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, pre_norm_eps, stack_queries
+from .depth_state import DepthContext, StateLayout, flatten_state
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
@@ -147,10 +133,11 @@ class AttnResAttention(nn.Module):
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
-    """An attention sublayer and an MLP (or MoE) sublayer, each behind its own depth-mixing step.
+    """An attention sublayer and an MLP (or MoE) sublayer, each behind its own depth-mixing module.
 
-    The layer is a pure function of the depth state: it takes the state's tensors positionally (so reentrant
-    checkpointing recomputes and differentiates through all of them) and returns the new state.
+    The layer maps the depth state to the next one. The state crosses the layer's boundary as positional tensors
+    (`__call__`), the form in which reentrant activation checkpointing recomputes and differentiates through all of
+    them; what is not a tensor (the state's layout, the forward pass's `DepthContext`) travels as keywords.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
@@ -163,17 +150,25 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.attn_residual = depth_mixer(config, attn_position)
         self.mlp_residual = depth_mixer(config, mlp_position)
 
+    def __call__(self, depth_state: NamedTuple, **kwargs) -> NamedTuple:
+        tensors, layout = flatten_state(depth_state)
+        *tensors, layout = super().__call__(*tensors, depth_layout=layout, **kwargs)
+        return layout.unflatten(tensors)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
-        *depth_state: torch.Tensor | None,
+        *depth_tensors: torch.Tensor | None,
+        depth_layout: StateLayout,
+        depth_context: DepthContext,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor | None, ...]:
-        hidden_states = self.attn_residual(*depth_state)
+    ) -> tuple:
+        state = depth_layout.unflatten(depth_tensors)
+        hidden_states = self.attn_residual(state, depth_context)
         attn_output, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
@@ -182,11 +177,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             **kwargs,
         )
-        depth_state = self.attn_residual.absorb(attn_output, *depth_state)
+        state = self.attn_residual.absorb(attn_output, state, depth_context)
 
-        hidden_states = self.mlp_residual(*depth_state)
+        hidden_states = self.mlp_residual(state, depth_context)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
-        return self.mlp_residual.absorb(mlp_output, *depth_state)
+        state = self.mlp_residual.absorb(mlp_output, state, depth_context)
+        tensors, layout = flatten_state(state)
+        return *tensors, layout
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -283,7 +280,7 @@ class AttnResModel(AttnResPreTrainedModel):
             (see `transformers.modeling_utils.slice_logits_to_keep`). Under AttnRes the output is depth attention
             over every block, so a prompt's prefill, which keeps the last position, skips it at all the others.
             Ignored when hidden states are recorded: the last of them is the output, and as Llama's it spans every
-            position.
+            position (`AttnResForCausalLM` then keeps the positions itself).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -309,13 +306,14 @@ class AttnResModel(AttnResPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        # `output_hidden_states` records every depth-attention step's input, so the steps must compute it instead of
-        # handing phase 2 to the pre-norms (same operations, same result).
+        # Recorded hidden states are every step's input, so the steps compute their inputs themselves (same result).
         materialize = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
-        depth_state = initial_depth_state(self.config, inputs_embeds, self.depth_queries(), materialize)
+        first_mixer = self.layers[0].attn_residual
+        depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(), materialize)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
-                *depth_state,
+                depth_state,
+                depth_context=depth_context,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -323,32 +321,28 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
-        # AttnRes narrows the state to the kept positions before the output step, the other modes their output.
-        keeps_fewer = not isinstance(logits_to_keep, int) or 0 < logits_to_keep < inputs_embeds.shape[1]
-        narrow = keeps_fewer and not materialize
-        if narrow and self.config.residual_mode in ("full", "block"):
-            depth_state, narrow = at_positions(depth_state, logits_to_keep), False
-        hidden_states = self.norm(self.output_residual(*depth_state))
-        if narrow:
-            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+        # The output at the kept positions only (docs/design.md §6.1), unless hidden states are recorded: the last of
+        # them is this output, which spans every position as Llama's does.
+        keeps_all = isinstance(logits_to_keep, int) and not 0 < logits_to_keep < inputs_embeds.shape[1]
+        if not (materialize or keeps_all):
+            depth_state = depth_state.at_positions(logits_to_keep)
+        hidden_states = self.norm(self.output_residual(depth_state, depth_context))
 
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
     def depth_queries(self) -> torch.Tensor | None:
-        """Every depth-attention step's folded pseudo-query, stacked `[L + 1, D]` in sublayer order (the output step
-        last), so that phase 1 runs once per block for all of its queries. Read through each step's `DepthQuery`
+        """Every step's folded pseudo-query, stacked `[L + 1, D]` in sublayer order (the output step last), so that
+        phase 1 runs once per block for all of its queries (docs/design.md §6). Read through each step's `DepthQuery`
         module, so offloading hooks and PEFT wrappers see the call.
 
         `None` when the model runs no two-phase depth attention (standard mode, the comparison residuals, the AttnRes
-        ablations), and when the queries cannot be read before their own layers run: parameters sharded by FSDP
-        (DTensors) or DeepSpeed ZeRO-3 (empty placeholders) are gathered only inside the forward of the unit that
-        owns them. Each step then runs phase 1 for its own query (same result, more passes over the blocks).
+        ablations), and when the queries cannot be read before their own layers run (parameters sharded by FSDP or
+        DeepSpeed ZeRO-3): each step then runs phase 1 for its own query (same result, more passes over the blocks).
         """
-        if self.config.residual_mode not in ("full", "block") or self.config.depth_ablation is not None:
+        if not self.output_residual.two_phase:
             return None
-        residuals = [submodule(layer, name) for layer in self.layers for name in ("attn_residual", "mlp_residual")]
-        steps = [submodule(residual, "query") for residual in (*residuals, self.output_residual)]
-        return fold_queries(steps, self.config.hidden_size)
+        mixers = [mixer for layer in self.layers for mixer in (layer.attn_residual, layer.mlp_residual)]
+        return stack_queries([mixer.query for mixer in (*mixers, self.output_residual)])
 
     @torch.no_grad()
     def depth_attention_weights(self, input_ids: torch.LongTensor, **kwargs) -> dict[str, torch.Tensor]:
@@ -424,7 +418,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         )
 
         hidden_states = outputs.last_hidden_state
-        if outputs.hidden_states is not None:  # the model kept every position (see `AttnResModel.forward`)
+        if outputs.hidden_states is not None:  # recorded: the model kept every position (`AttnResModel.forward`)
             hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
         logits = self.lm_head(hidden_states)
 

@@ -1,14 +1,14 @@
-"""Residual connections from other papers, as depth-mixing modules, to compare AttnRes against (SPEC §7).
+"""Residual connections from other papers, as depth-mixing modules, to compare AttnRes against (docs/design.md §9).
 
-Every class follows the protocol of `depth_mixing.py`: `forward(*state)` returns the input of the sublayer the module
-sits in front of, and `absorb(output, *state)` folds that sublayer's raw output back into the depth state. The states:
+Every class follows the protocol of `depth_state.py`: `forward(state, context)` returns the input of the sublayer the
+module sits in front of, and `absorb(output, state, context)` folds that sublayer's raw output back into the state;
+none of them reads the context. The states:
 
-- DenseFormer (Pagliardini et al., arXiv:2402.02622): `(stream, history)`, the PreNorm residual stream and the
-  stacked outputs of the decoder blocks so far `[i + 1, batch, seq, D]` (x_0 = the embedding). A depth-weighted
-  average acts per decoder *block*, not per sublayer, so the module behind a block's MLP, which closes the block,
-  records the block output and replaces the stream by the average.
-- Hyper-Connections (Zhu et al., arXiv:2409.19606) and mHC (Xie et al., arXiv:2512.24880): `(streams,)`, the n
-  residual streams stacked `[n, batch, seq, D]`; the embedding starts in every stream.
+- DenseFormer (Pagliardini et al., arXiv:2402.02622): `DenseFormerState`. A depth-weighted average acts per decoder
+  *block*, not per sublayer, so the module behind a block's MLP, which closes the block, records the block output and
+  replaces the stream by the average.
+- Hyper-Connections (Zhu et al., arXiv:2409.19606) and mHC (Xie et al., arXiv:2512.24880): `HyperStreams`; the
+  embedding starts in every stream.
 
 HC and mHC compute their coefficients and mix the streams in fp32 whatever the model dtype (DenseFormer's scalar
 averages run in the model dtype). This file is copied flat into remote-code checkpoints, so it imports nothing from
@@ -16,11 +16,14 @@ the `attnres` package.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import initialization as init
+from transformers.modeling_utils import slice_logits_to_keep
 
+from .depth_state import DepthContext, DepthMixer
 from .two_phase import inverse_rms
 
 
@@ -28,7 +31,33 @@ MHC_GATE_INIT = 0.01  # mHC's alpha: the dynamic (input-dependent) part starts a
 HC_SCALE_INIT = 0.01  # HC's s_alpha, s_beta: likewise for the tanh part of Hyper-Connections
 
 
-class DepthWeightedAverage(nn.Module):
+def _stacked_at_positions(stacked: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """`slice_logits_to_keep` on every entry of a stack `[n, *tokens, D]`."""
+    return slice_logits_to_keep(stacked.movedim(0, -2), logits_to_keep).movedim(-2, 0)
+
+
+class DenseFormerState(NamedTuple):
+    """The PreNorm residual stream `[batch, seq, D]` and the stacked outputs of the decoder blocks so far
+    `[i + 1, batch, seq, D]` (x_0 = the embedding)."""
+
+    stream: torch.Tensor
+    history: torch.Tensor
+
+    def at_positions(self, logits_to_keep: int | torch.Tensor) -> "DenseFormerState":
+        stream = slice_logits_to_keep(self.stream, logits_to_keep)
+        return DenseFormerState(stream, _stacked_at_positions(self.history, logits_to_keep))
+
+
+class HyperStreams(NamedTuple):
+    """The n residual streams of Hyper-Connections and mHC, stacked `[n, batch, seq, D]`."""
+
+    streams: torch.Tensor
+
+    def at_positions(self, logits_to_keep: int | torch.Tensor) -> "HyperStreams":
+        return HyperStreams(_stacked_at_positions(self.streams, logits_to_keep))
+
+
+class DepthWeightedAverage(DepthMixer):
     """DenseFormer: a PreNorm residual stream, replaced after decoder blocks by a depth-weighted average (DWA).
 
     After decoder block i (1-based) the stream becomes `y_i = sum_j a_{i,j} x_j` over the embedding x_0 and the block
@@ -50,20 +79,23 @@ class DepthWeightedAverage(nn.Module):
         # x_j for j = i, i - k, ... >= 0: i // k + 1 sources, oldest first.
         self.dwa_weights = nn.Parameter(torch.zeros(self.block // dilation + 1)) if has_average else None
 
-    def forward(self, stream: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        return stream
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
+        return DenseFormerState(inputs_embeds, inputs_embeds.unsqueeze(0)), DepthContext(materialize=materialize)
+
+    def forward(self, state: DenseFormerState, context: DepthContext | None = None) -> torch.Tensor:
+        return state.stream
 
     def absorb(
-        self, output: torch.Tensor, stream: torch.Tensor, history: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = stream + output
+        self, output: torch.Tensor, state: DenseFormerState, context: DepthContext | None = None
+    ) -> DenseFormerState:
+        stream = state.stream + output
         if not self.closes_block:
-            return stream, history
-        history = torch.cat([history, stream.unsqueeze(0)])
+            return DenseFormerState(stream, state.history)
+        history = torch.cat([state.history, stream.unsqueeze(0)])
         if self.dwa_weights is None:
-            return stream, history
+            return DenseFormerState(stream, history)
         sources = history[self.block % self.dilation :: self.dilation]
-        return torch.tensordot(self.dwa_weights.to(sources.dtype), sources, dims=1), history
+        return DenseFormerState(torch.tensordot(self.dwa_weights.to(sources.dtype), sources, dims=1), history)
 
     def init_residual_parameters(self, std: float) -> None:
         if self.dwa_weights is not None:
@@ -85,7 +117,13 @@ def _mix_streams(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return torch.einsum("j...,j...d->...d", weights, streams.float())
 
 
-class HyperConnection(nn.Module):
+def _initial_streams(inputs_embeds: torch.Tensor, num_streams: int, materialize: bool):
+    """The embedding in every one of the streams."""
+    streams = inputs_embeds.unsqueeze(0).expand(num_streams, *inputs_embeds.shape)
+    return HyperStreams(streams), DepthContext(materialize=materialize)
+
+
+class HyperConnection(DepthMixer):
     """Hyper-Connections in front of one sublayer: n residual streams, read and written through learned matrices.
 
     With H the streams, the sublayer reads `h = A_m^T H` and the streams become `H' = B^T f(h) + A_r^T H`. Each of
@@ -114,12 +152,17 @@ class HyperConnection(nn.Module):
     def _normalized(self, streams: torch.Tensor) -> torch.Tensor:
         return streams.float() * inverse_rms(streams, self.eps).unsqueeze(-1)
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
+        return _initial_streams(inputs_embeds, self.static_input.shape[0], materialize)
+
+    def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
+        streams = state.streams
         dynamic = torch.tanh(self._normalized(streams) @ self.dynamic_input.float())  # [n, *tokens]
         weights = _per_stream(self.static_input, dynamic) + self.input_scale.float() * dynamic
         return _mix_streams(weights, streams).to(streams.dtype)
 
-    def absorb(self, output: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, output: torch.Tensor, state: HyperStreams, context: DepthContext | None = None) -> HyperStreams:
+        streams = state.streams
         normalized = self._normalized(streams)
         dynamic_residual = torch.tanh(normalized @ self.dynamic_residual.float())  # [n_from, *tokens, n_to]
         residual = self.static_residual.float().view(streams.shape[0], *([1] * (streams.dim() - 2)), -1)
@@ -127,7 +170,7 @@ class HyperConnection(nn.Module):
         dynamic_output = torch.tanh(normalized @ self.dynamic_output.float())  # [n, *tokens]
         write = _per_stream(self.static_output, dynamic_output) + self.output_scale.float() * dynamic_output
         mixed = torch.einsum("j...i,j...d->i...d", residual, streams.float())
-        return ((mixed + write.unsqueeze(-1) * output.float()).to(streams.dtype),)
+        return HyperStreams((mixed + write.unsqueeze(-1) * output.float()).to(streams.dtype))
 
     def init_residual_parameters(self, std: float) -> None:
         num_streams = self.static_input.shape[0]
@@ -188,7 +231,7 @@ class RecomputedSinkhornKnopp(torch.autograd.Function):
         return grad_logits, None
 
 
-class ManifoldHyperConnection(nn.Module):
+class ManifoldHyperConnection(DepthMixer):
     """mHC in front of one sublayer: Hyper-Connections whose stream-mixing matrix is kept doubly stochastic.
 
     From the RMS-normalised flattened streams x (`[*tokens, n * D]`, fp32, no gain since the projections absorb it):
@@ -237,14 +280,19 @@ class ManifoldHyperConnection(nn.Module):
         logits = logits + self.residual_bias.float()
         return post, RecomputedSinkhornKnopp.apply(logits, self.sinkhorn_iterations)
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
+        return _initial_streams(inputs_embeds, self.input_bias.shape[0], materialize)
+
+    def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
+        streams = state.streams
         return _mix_streams(self.input_weights(streams).movedim(-1, 0), streams).to(streams.dtype)
 
-    def absorb(self, output: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor]:
+    def absorb(self, output: torch.Tensor, state: HyperStreams, context: DepthContext | None = None) -> HyperStreams:
+        streams = state.streams
         post, residual = self.output_and_residual_weights(streams)
         mixed = torch.einsum("...ij,j...d->i...d", residual, streams.float())
         written = post.movedim(-1, 0).unsqueeze(-1) * output.float()
-        return ((mixed + written).to(streams.dtype),)
+        return HyperStreams((mixed + written).to(streams.dtype))
 
     def init_residual_parameters(self, std: float) -> None:
         num_streams = self.input_bias.shape[0]
@@ -261,7 +309,7 @@ class ManifoldHyperConnection(nn.Module):
         return f"sublayer={self.position}, streams={streams}, sinkhorn_iterations={iterations}"
 
 
-class StreamAverage(nn.Module):
+class StreamAverage(DepthMixer):
     """The output of Hyper-Connections and mHC: the streams combined into one hidden state for the final norm.
 
     Hyper-Connections (Zhu et al., arXiv:2409.19606, §2.1) sum the last streams ("we sum the last hyper hidden matrix
@@ -272,5 +320,5 @@ class StreamAverage(nn.Module):
     + eps` over the streams.
     """
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return streams.mean(dim=0)
+    def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
+        return state.streams.mean(dim=0)

@@ -1,10 +1,10 @@
-"""PyTorch reference for depth attention: the naive form of SPEC §3 and the two-phase form of SPEC §6.
+"""PyTorch reference for depth attention: the naive form (docs/design.md §3) and the two-phase form (§6).
 
 Shapes: a stack of depth sources or completed blocks is `[N, *tokens, D]`; `*tokens` is any token layout
 (`[batch, seq]` in the model). All logits, softmax statistics and merges are computed in fp32 whatever the input
 dtype, because depth logits are dot products over the whole hidden size and bf16 would round them coarsely.
 
-The model computes the two-phase form (SPEC §6): `phase1` once per block for all of its pseudo-queries, and
+The model computes the two-phase form (docs/design.md §6): `phase1` once per block for all of its pseudo-queries, and
 `phase2` per sublayer, fused with the RMSNorm that reads its result (`phase2_rms_norm`; `phase1_rms_norm` for a
 block's first sublayer, which has no partial sum to merge). Its implementations are the
 Triton kernels (CUDA) and the fused C++ kernels (CPU) in `attnres.kernels` and, elsewhere, `two_phase_torch`
@@ -35,7 +35,8 @@ def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 def naive_depth_attention(
     sources: torch.Tensor, pseudo_query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §3 literally: `h = sum_i softmax_i(w . RMSNorm(v_i)) v_i` over the stacked `sources` `[K, *tokens, D]`.
+    """docs/design.md §3 literally: `h = sum_i softmax_i(w . RMSNorm(v_i)) v_i` over the stacked `sources`
+    `[K, *tokens, D]`.
 
     Returns `h` (in the dtype of `sources`) and the depth-attention weights `[*tokens, K]` (fp32). Slow and simple:
     it is the test reference for the two-phase form and the analysis path for depth-attention maps.
@@ -51,7 +52,7 @@ def naive_depth_attention(
 def phase1(
     blocks: torch.Tensor, blocks_inv_rms: torch.Tensor, queries: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of SPEC §6: attention of `Q` queries over the completed blocks, without the running partial sum.
+    """Phase 1 (docs/design.md §6): attention of `Q` queries over the completed blocks, without the partial sum.
 
     Args:
         blocks: completed block representations `[N, *tokens, D]` (b_0 = embedding first).
@@ -78,7 +79,7 @@ def phase1(
 def phase2(
     obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Phase 2 of SPEC §6: merge the running partial sum `P` of the current block into phase 1's result.
+    """Phase 2 (docs/design.md §6): merge the running partial sum `P` of the current block into phase 1's result.
 
     With the partial's logit `s = w . RMSNorm(P)`, the softmax over [blocks..., P] equals the exact online-softmax
     merge `obar + sigmoid(s - lse) * (P - obar)`: the partial's weight is `e^s / (e^lse + e^s) = sigmoid(s - lse)`

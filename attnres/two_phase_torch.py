@@ -1,5 +1,5 @@
-"""The two phases of SPEC §6 in plain PyTorch, with hand-written backward passes: what the model runs where neither
-the Triton kernels (CUDA) nor the fused C++ kernels (CPU; `attnres.kernels`) do: where they cannot be loaded, in
+"""The two phases of docs/design.md §6 in plain PyTorch, with hand-written backward passes: what the model runs where
+neither the Triton kernels (CUDA) nor the fused C++ kernels (CPU; `attnres.kernels`) do: where they cannot be loaded, in
 remote-code checkpoints without the package, and inside `torch.compile` on the CPU. Also the API those kernels
 implement.
 
@@ -135,9 +135,8 @@ def _blockwise_forward(
 
 
 # Up to this many queries, phase 1 goes block by block (`_Phase1Blockwise`); beyond, over the stacked blocks
-# (`_Phase1`), whose batched matmul reads each block once for all S outputs. Measured on a CPU for 1024 tokens
-# (forward and backward): block by block is about 1.2x faster for S = 2, the stacked form 1.6x faster for S = 4 and
-# several times faster for S = 8.
+# (`_Phase1`), whose batched matmul reads each block once for all S outputs: stacking copies every block, which pays
+# off only when enough queries share the copy.
 BLOCKWISE_MAX_QUERIES = 2
 
 

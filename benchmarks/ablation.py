@@ -2,11 +2,11 @@
 with enough seeds to say which differences are real.
 
 Each variant is a small byte-level AttnRes model that differs from the others only in its residual connection
-(SPEC §7): the shared weights (embeddings, attention, MLPs, norms) start from the same seeded initialisation, and every
-variant reads the same training batches in the same order for the same number of tokens. Every reported variant runs
-every seed (a seed changes both the initialisation and the data order), so each comparison is paired: for each seed
-the difference between two variants trained from the same start on the same batches, then the mean and sd of those
-differences over the seeds. A difference is called resolved when |mean| / (sd / sqrt(n)) exceeds Student's t at
+(docs/design.md §9): the shared weights (embeddings, attention, MLPs, norms) start from the same seeded initialisation,
+and every variant reads the same training batches in the same order for the same number of tokens. Every reported
+variant runs every seed (a seed changes both the initialisation and the data order), so each comparison is paired: for
+each seed the difference between two variants trained from the same start on the same batches, then the mean and sd of
+those differences over the seeds. A difference is called resolved when |mean| / (sd / sqrt(n)) exceeds Student's t at
 97.5% with n - 1 degrees of freedom (a two-sided paired t-test at 5%; 4.30 for 3 seeds).
 
 Reported per variant: validation loss (nats per byte on held-out plays) as mean ± sd over the seeds, parameters,
@@ -67,7 +67,7 @@ class Variant:
     name: str
     label: str
     overrides: dict
-    paper_loss: float | None  # SPEC §8: the paper's Table 4 (None where the paper has no row)
+    paper_loss: float | None  # the paper's Table 4 (None where the paper has no row)
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:

@@ -1,8 +1,9 @@
 """Speed of Block AttnRes aggregation: the Triton kernels against the PyTorch reference, eager and compiled.
 
-What is timed is one block's depth mixing (SPEC §6) as the model runs it, up to the pre-norms that read it: phase 1
-for the block's S pseudo-queries over N completed blocks, the first sublayer's input taken from it and normalised,
-and phase 2 merging a partial sum for each of the other S - 1 sublayers, fused with their pre-norms. Forward (under
+What is timed is one block's depth mixing (docs/design.md §6) as the model runs it, up to the pre-norms that read it:
+phase 1 for the block's S pseudo-queries over N completed blocks, the first sublayer's input taken from it and
+normalised, and phase 2 merging a partial sum for each of the other S - 1 sublayers, fused with their pre-norms. Forward
+(under
 `no_grad`) and forward + backward (gradients for the blocks, their inverse RMS, the queries, the partial sums and
 the norms' gains) are timed for:
 

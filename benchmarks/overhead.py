@@ -74,7 +74,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, StaticCache
 
 from attnres import AttnResConfig, AttnResForCausalLM
-from attnres.depth_mixing import two_phase_ops
+from attnres.kernel_dispatch import depth_kernels
 
 
 SHAPES = {
@@ -153,7 +153,7 @@ class ModelWorker:
 
     def __init__(self, shape: str, name: str, threads: int, compile_model: bool):
         torch.set_num_threads(threads)
-        two_phase_ops(torch.device("cpu"))  # loads the fused CPU kernels now, not inside the first timed sample
+        depth_kernels(torch.device("cpu"))  # loads the fused CPU kernels now, not inside the first timed sample
         self.model = build_with_baseline_weights(shape, name)
         self.compile_model = compile_model
         self.runner = self.model
@@ -437,7 +437,7 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), before
     # the models' processes load them.
-    depth_kernels = two_phase_ops(torch.device("cpu")).phase1.__module__
+    kernels_module = depth_kernels(torch.device("cpu")).phase1.__module__
 
     seconds = {"prefill": args.seconds, "decode": args.seconds, "train": args.train_seconds}
     rows = []
@@ -483,7 +483,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "depth_kernels": depth_kernels,
+        "depth_kernels": kernels_module,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "seconds": seconds, "rows": rows}, indent=2))

@@ -1,7 +1,7 @@
 """The retrofit check with controls: does training a converted model's depth routing beat training the source
 model the same way?
 
-A converted AttnRes checkpoint starts as its PreNorm source (SPEC §5), so any fine-tuning moves it towards the
+A converted AttnRes checkpoint starts as its PreNorm source (docs/design.md §5), so any fine-tuning moves it towards the
 training text. Whether depth routing learned something is the gap to a control trained the same way from the same
 start. Arms, every one trained with `attnres.training.retrofit_depth` (AdamW, constant learning rate, no weight
 decay) on the same batches for the same steps:

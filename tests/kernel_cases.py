@@ -12,7 +12,7 @@ before they are added).
 
 import torch
 
-from attnres.two_phase import inverse_rms
+from attnres.kernels.reference import inverse_rms
 
 
 FP32_TOL = 1e-5

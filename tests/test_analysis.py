@@ -65,7 +65,7 @@ def test_profile_numbers_are_the_model_s():
     assert profile.num_sublayers == 6 and profile.num_tokens == ids.shape[1]
     assert all(p.grad is None for p in model.parameters()) and not model.training  # the model is left as it was
 
-    # Depth-attention maps: distributions over the SPEC §4 sources, laid out by decoder layer and source.
+    # Depth-attention maps: distributions over the docs/design.md §4 sources, laid out by decoder layer and source.
     for weights in profile.attention_weights.values():
         assert sum(weights) == pytest.approx(1.0, abs=1e-5) and min(weights) >= 0
     attention, mlp = attention_matrices(profile)

@@ -195,7 +195,8 @@ def test_dtype_is_preserved_unless_asked(tmp_path):
     assert json.loads((tmp_path / "cast" / "config.json").read_text())["dtype"] == "float32"
 
 
-# --- the exact retrofit (SPEC §5) ---------------------------------------------------------------------------------
+# --- the exact retrofit (docs/design.md §5)
+# ---------------------------------------------------------------------------------
 
 
 def test_exact_retrofit_closes_the_eps_gap(tmp_path):

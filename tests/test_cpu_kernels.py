@@ -10,10 +10,10 @@ import torch
 
 from attnres import AttnResForCausalLM, two_phase_torch
 from attnres.kernels import cpu
-from attnres.two_phase import inverse_rms
-from attnres.two_phase import phase1 as reference_phase1
-from attnres.two_phase import phase1_rms_norm as reference_phase1_rms_norm
-from attnres.two_phase import phase2_rms_norm as reference_phase2_rms_norm
+from attnres.kernels.reference import inverse_rms
+from attnres.kernels.reference import phase1 as reference_phase1
+from attnres.kernels.reference import phase1_rms_norm as reference_phase1_rms_norm
+from attnres.kernels.reference import phase2_rms_norm as reference_phase2_rms_norm
 
 from conftest import randomize_depth_parameters, tiny_config
 from kernel_cases import (
@@ -209,12 +209,12 @@ def test_gain_of_another_dtype_takes_the_pytorch_path():
     kernels (one dtype throughout) do not, so the PyTorch implementation computes it, with autograd and without."""
     obar, lse, partial, query, norm_weight = phase2_inputs((2, 3), 48, torch.bfloat16)
     gain = norm_weight.float().requires_grad_()
-    for phase2_rms_norm in (cpu.phase2_rms_norm, cpu.phase2_rms_norm_without_autograd):
+    for phase2_rms_norm in (cpu.phase2_rms_norm, cpu.implementations(differentiable=False)["phase2_rms_norm"]):
         args = (obar, lse, partial, query, EPS, gain, NORM_EPS)
         out = phase2_rms_norm(*args)
         assert out.dtype == torch.float32 and out.requires_grad
         assert torch.equal(out, two_phase_torch.phase2_rms_norm(*args))
-    for phase1_rms_norm in (cpu.phase1_rms_norm, cpu.phase1_rms_norm_without_autograd):
+    for phase1_rms_norm in (cpu.phase1_rms_norm, cpu.implementations(differentiable=False)["phase1_rms_norm"]):
         args = (obar, torch.bfloat16, gain, NORM_EPS)
         out = phase1_rms_norm(*args)
         assert out.dtype == torch.float32 and out.requires_grad

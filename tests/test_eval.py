@@ -318,7 +318,7 @@ def _smollm2_gguf() -> Path:
 
 
 def test_converted_smollm2_scores_equal_the_original(tmp_path, one_thread):
-    """The retrofit is exact (SPEC §5), so the benchmark cannot tell the converted model from its source."""
+    """The retrofit is exact (docs/design.md §5), so the benchmark cannot tell the converted model from its source."""
     from attnres.conversion import convert
     from attnres.conversion.sources import materialize_gguf
 

@@ -23,18 +23,13 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from attnres import AttnResForCausalLM
-from attnres.depth_mixing import (
-    TORCH_KERNELS,
-    DepthKernels,
-    _remembered_kernels,
-    initial_depth_state,
-    two_phase_ops,
-)
+from attnres.kernel_dispatch import TORCH_KERNELS, DepthKernels, _remembered
+from attnres.kernel_dispatch import depth_kernels
 from attnres.kernels import common, cpu, phase1, phase2_rms_norm
 from attnres.kernels import phase2 as phase2_module
-from attnres.two_phase import inverse_rms
-from attnres.two_phase import phase1 as reference_phase1
-from attnres.two_phase import phase2_rms_norm as reference_phase2_rms_norm
+from attnres.kernels.reference import inverse_rms
+from attnres.kernels.reference import phase1 as reference_phase1
+from attnres.kernels.reference import phase2_rms_norm as reference_phase2_rms_norm
 
 from conftest import randomize_depth_parameters, tiny_config
 from kernel_cases import (
@@ -139,7 +134,7 @@ class TestKernels:
         ids = torch.randint(3, model.config.vocab_size, (2, 5))
 
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
-        assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "triton"
+        assert kernel_kind(depth_kernels(torch.device("cpu"), "auto")) == "triton"
 
         logits, grads = logits_and_grads(model, ids, "triton", monkeypatch)
         ref_logits, ref_grads = logits_and_grads(model, ids, "reference", monkeypatch)
@@ -187,12 +182,13 @@ test_kernels_under_interpreter.__test__ = not INTERPRETED
 
 
 def kernel_kind(kernels: DepthKernels) -> str:
-    """Which implementations `two_phase_ops` chose: `"triton"`, `"cpu"` (the fused C++ kernels) or `"torch"`."""
+    """Which implementations `depth_kernels` chose: `"triton"`, `"cpu"` (the fused C++ kernels) or `"torch"`."""
     if kernels.phase2_rms_norm is phase2_rms_norm:
         return "triton"
     implementations = kernels[:-1]  # without the `differentiable` flag
-    if kernels.phase2_rms_norm in (cpu.phase2_rms_norm, cpu.phase2_rms_norm_without_autograd):
-        assert implementations in (cpu.KERNELS, cpu.KERNELS_WITHOUT_AUTOGRAD)
+    cpu_tables = [tuple(cpu.implementations(differentiable).values()) for differentiable in (True, False)]
+    if kernels.phase2_rms_norm in (table[2] for table in cpu_tables):
+        assert implementations in cpu_tables
         return "cpu"
     assert implementations == TORCH_KERNELS[:-1]
     return "torch"
@@ -213,64 +209,67 @@ def kernel_kind(kernels: DepthKernels) -> str:
         ("meta", "auto", None, "torch"),
     ],
 )
-def test_two_phase_ops_dispatch(device, config_kernel, env, kind, monkeypatch):
+def test_depth_kernels_dispatch(device, config_kernel, env, kind, monkeypatch):
     """Triton kernels on CUDA and the fused C++ kernels on the CPU under `"auto"`, the PyTorch implementation
     otherwise; `ATTNRES_DEPTH_KERNEL` overrides. Only chooses: runs nothing, so a CUDA device object is enough."""
     if env is None:
         monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     else:
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", env)
-    assert kernel_kind(two_phase_ops(torch.device(device), config_kernel)) == kind
-    assert two_phase_ops(torch.device(device), config_kernel).differentiable
+    assert kernel_kind(depth_kernels(torch.device(device), config_kernel)) == kind
+    assert depth_kernels(torch.device(device), config_kernel).differentiable
     # For a forward pass that autograd does not record, the same kind; on the CPU, the kernels without autograd.
-    kernels = two_phase_ops(torch.device(device), config_kernel, differentiable=False)
+    kernels = depth_kernels(torch.device(device), config_kernel, differentiable=False)
     assert kernel_kind(kernels) == kind and not kernels.differentiable
-    assert (kernels[:-1] == cpu.KERNELS_WITHOUT_AUTOGRAD) == (kind == "cpu")
+    assert (kernels[:-1] == tuple(cpu.implementations(differentiable=False).values())) == (kind == "cpu")
 
 
 @pytest.fixture
 def fresh_kernel_choice():
-    """`two_phase_ops` remembers its choices; tests that change what can be imported or built choose afresh."""
-    _remembered_kernels.cache_clear()
+    """`depth_kernels` remembers its choices; tests that change what can be imported or built choose afresh."""
+    _remembered.cache_clear()
     yield
-    _remembered_kernels.cache_clear()
+    _remembered.cache_clear()
 
 
-def test_two_phase_ops_without_triton_fall_back_unless_demanded(monkeypatch, fresh_kernel_choice):
+def test_depth_kernels_without_triton_fall_back_unless_demanded(monkeypatch, fresh_kernel_choice):
     """Where `attnres.kernels` cannot be imported (remote code without the package, or no Triton)."""
     monkeypatch.setitem(sys.modules, "attnres.kernels", None)
     monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
-    assert kernel_kind(two_phase_ops(torch.device("cuda"), "auto")) == "torch"
-    assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "torch"
+    assert kernel_kind(depth_kernels(torch.device("cuda"), "auto")) == "torch"
+    assert kernel_kind(depth_kernels(torch.device("cpu"), "auto")) == "torch"
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
     with pytest.raises(ImportError):
-        two_phase_ops(torch.device("cuda"), "auto")
+        depth_kernels(torch.device("cuda"), "auto")
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "fast")
     with pytest.raises(ValueError, match="ATTNRES_DEPTH_KERNEL"):
-        two_phase_ops(torch.device("cuda"), "auto")
+        depth_kernels(torch.device("cuda"), "auto")
 
 
-def test_two_phase_ops_without_cpu_kernels_fall_back_unless_demanded(monkeypatch, fresh_kernel_choice):
+def test_depth_kernels_without_cpu_kernels_fall_back_unless_demanded(monkeypatch, fresh_kernel_choice):
     """Where the C++ kernels cannot be built (no compiler or ninja): `cpu.extension()` is `None`."""
     monkeypatch.setattr(cpu, "extension", lambda: None)
     monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
-    assert kernel_kind(two_phase_ops(torch.device("cpu"), "auto")) == "torch"
+    assert kernel_kind(depth_kernels(torch.device("cpu"), "auto")) == "torch"
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "cpu")
     with pytest.raises(RuntimeError, match="ATTNRES_DEPTH_KERNEL=cpu"):
-        two_phase_ops(torch.device("cpu"), "auto")
+        depth_kernels(torch.device("cpu"), "auto")
 
 
 def test_depth_kernel_config_reaches_the_depth_state(monkeypatch):
     """The model chooses the kernels once per forward pass, into the depth state every step reads."""
     monkeypatch.delenv("ATTNRES_DEPTH_KERNEL", raising=False)
     embeddings = torch.randn(1, 3, 32)
-    kernels, *_ = initial_depth_state(tiny_config(depth_kernel="reference"), embeddings)
+    def initial_state(config):
+        return AttnResForCausalLM(config).model.layers[0].attn_residual.initial_state
+
+    _, (kernels, _) = initial_state(tiny_config(depth_kernel="reference"))(embeddings, None, False)
     assert kernel_kind(kernels) == "torch"
-    kernels, *_ = initial_depth_state(tiny_config(), embeddings)
-    assert kernels == (*cpu.KERNELS, True)
+    _, (kernels, _) = initial_state(tiny_config())(embeddings, None, False)
+    assert kernels == (*cpu.implementations(differentiable=True).values(), True)
     with torch.no_grad():
-        kernels, *_ = initial_depth_state(tiny_config(), embeddings)
-    assert kernels == (*cpu.KERNELS_WITHOUT_AUTOGRAD, False)
+        _, (kernels, _) = initial_state(tiny_config())(embeddings, None, False)
+    assert kernels == (*cpu.implementations(differentiable=False).values(), False)
 
 
 def test_kernel_benchmark_runs_under_interpreter(tmp_path):

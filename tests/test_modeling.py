@@ -1,4 +1,4 @@
-"""Core model invariants (SPEC §2-§6): every mode against its exact reference, and the Transformers features."""
+"""Core model invariants (docs/design.md §2-§6): every mode against its exact reference; the Transformers features."""
 
 import math
 import os
@@ -108,7 +108,7 @@ def test_standard_moe_is_mixtral():
     assert len(actual.router_logits) == config.num_hidden_layers
 
 
-# ------------------------------------------------------------------------- zero-init AttnRes == standard (SPEC §5)
+# ------------------------------------------------------------------- zero-init AttnRes == standard (docs/design.md §5)
 
 
 @pytest.mark.parametrize("mode,block_size", [("full", None), ("block", 2), ("block", 3), ("block", 6)])
@@ -144,7 +144,7 @@ def test_num_depth_sources_follows_spec():
     assert [num_depth_sources(l, 6, 6) for l in range(1, 8)] == [1, 2, 2, 2, 2, 2, 2]
 
 
-# ------------------------------------------------------------------------------ two-phase == naive (SPEC §3, §6)
+# ------------------------------------------------------------------------ two-phase == naive (docs/design.md §3, §6)
 
 
 def test_phase1_and_phase2_equal_naive_softmax():
@@ -293,9 +293,11 @@ def test_per_step_phase1_when_queries_cannot_be_gathered(residual_mode, monkeypa
     logits, grads = logits_and_grads()
     # What an FSDP1 / ZeRO-3 placeholder looks like outside its unit's forward: an empty tensor.
     hidden_size = model.config.hidden_size
-    assert not depth_mixing._hold_full_values([torch.ones(hidden_size), torch.empty(0)], hidden_size)
-    assert depth_mixing._hold_full_values([torch.ones(hidden_size), torch.zeros(hidden_size)], hidden_size)
-    monkeypatch.setattr(depth_mixing, "_hold_full_values", lambda parameters, size: False)
+    placeholder, whole = depth_mixing.DepthQuery(hidden_size), depth_mixing.DepthQuery(hidden_size)
+    placeholder.pseudo_query.data = torch.empty(0)
+    assert not depth_mixing.holds_full_values(placeholder)
+    assert depth_mixing.holds_full_values(whole)
+    monkeypatch.setattr(depth_mixing, "holds_full_values", lambda step: False)
     assert model.model.depth_queries() is None
     per_step_logits, per_step_grads = logits_and_grads()
     assert max_diff(per_step_logits, logits) <= 1e-5
@@ -304,7 +306,8 @@ def test_per_step_phase1_when_queries_cannot_be_gathered(residual_mode, monkeypa
 
 
 def naive_logits(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """The whole model the naive way: every depth-mixing step attends over explicitly listed sources (SPEC §3-§4)."""
+    """The whole model the naive way: every depth-mixing step attends over explicitly listed sources
+    (docs/design.md §3-§4)."""
     config, decoder = model.config, model.model
     block_size, num_sublayers = config.depth_block_size, config.num_sublayers
     embeddings = decoder.embed_tokens(input_ids)
@@ -472,11 +475,11 @@ def test_forward_without_autograd_sums_each_block_in_place_and_computes_the_same
         hook.remove()
     assert torch.equal(unrecorded, recorded.detach())
     assert len(kept) == 8 and all(torch.equal(output, copy) for output, copy in kept)
-    kernels, _, _, _, _, partial, *blocks = captured["output step"]
-    assert not kernels.differentiable and partial is None and len(blocks) == 3
+    (state, context) = captured["output step"]
+    assert not context.kernels.differentiable and state.partial is None and len(state.blocks) == 3
     # Sublayer 7 is the second block's third step: the sum it received, updated in place by it and sublayer 8,
     # became the block b_2.
-    assert blocks[2] is captured["third step"][5]
+    assert state.blocks[2] is captured["third step"][0].partial
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -514,7 +517,7 @@ def test_logits_to_keep_computes_the_output_at_the_kept_positions_only(mode):
     mask[0, 2] = mask[1, 5] = mask[1, 9] = True
     output_step_tokens = []
     model.model.output_residual.register_forward_pre_hook(
-        lambda module, depth_state: output_step_tokens.append(depth_state[-1].shape[:-1])
+        lambda module, args: output_step_tokens.append(args[0][0][-1].shape[:-1])
     )
     with torch.no_grad():
         full = model(ids).logits

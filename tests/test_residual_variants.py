@@ -1,5 +1,6 @@
-"""Comparison residuals and AttnRes ablations (SPEC §7): each against its paper's definition, against the baseline
-where the paper says it starts as one, and the Transformers features (generation, save / load, checkpointing)."""
+"""Comparison residuals and AttnRes ablations (docs/design.md §9): each against its paper's definition, against the
+baseline where the paper says it starts as one, and the Transformers features (generation, save / load,
+checkpointing)."""
 
 import math
 import os
@@ -12,7 +13,9 @@ import torch
 from transformers.masking_utils import create_causal_mask
 
 from attnres import AttnResConfig, AttnResForCausalLM
-from attnres.depth_mixing import TORCH_KERNELS
+from attnres.depth_state import DepthContext, DepthState
+from attnres.kernel_dispatch import TORCH_KERNELS
+from attnres.residual_variants import HyperStreams
 from attnres.residual_variants import ManifoldHyperConnection, RecomputedSinkhornKnopp, sinkhorn_knopp
 from attnres.two_phase import inverse_rms
 
@@ -111,7 +114,7 @@ def test_mhc_static_part_is_the_baseline():
     ids=lambda o: o["depth_ablation"],
 )
 def test_zero_query_ablations_equal_baseline_with_exact_retrofit(overrides):
-    """(derived, SPEC §5) Zero queries make every ablation but the window average (or, for sigmoid, halve) the sum
+    """(docs/design.md §5) Zero queries make every ablation but the window average (or, for sigmoid, halve) the sum
     of the sources; with each pre-norm's eps divided by the square of that factor the model is the baseline."""
     exact, baseline = variant_and_baseline(exact_retrofit=True, **overrides)
     plain, _ = variant_and_baseline(**overrides)
@@ -189,8 +192,8 @@ def test_hyper_connection_follows_its_definition():
         )
         expected_streams.append(b_i[..., None] * output + carried)
     with torch.no_grad():
-        assert max_diff(module(streams), expected_input) <= 1e-5
-        assert max_diff(module.absorb(output, streams)[0], torch.stack(expected_streams)) <= 1e-5
+        assert max_diff(module(HyperStreams(streams)), expected_input) <= 1e-5
+        assert max_diff(module.absorb(output, HyperStreams(streams)).streams, torch.stack(expected_streams)) <= 1e-5
 
 
 def test_mhc_follows_its_definition():
@@ -210,8 +213,8 @@ def test_mhc_follows_its_definition():
         sum(res[..., i, j, None] * streams[j] for j in range(n)) + post[..., i, None] * output for i in range(n)
     ]
     with torch.no_grad():
-        assert max_diff(module(streams), expected_input) <= 1e-5
-        assert max_diff(module.absorb(output, streams)[0], torch.stack(expected_streams)) <= 1e-5
+        assert max_diff(module(HyperStreams(streams)), expected_input) <= 1e-5
+        assert max_diff(module.absorb(output, HyperStreams(streams)).streams, torch.stack(expected_streams)) <= 1e-5
         assert ((pre > 0) & (pre < 1)).all() and ((post > 0) & (post < 2)).all()
 
 
@@ -297,7 +300,7 @@ def test_mhc_matches_deepseek_v4_hyper_connection():
     streams = torch.randn(n, 2, 5, d, generator=generator).requires_grad_()  # ours: [n, batch, seq, D]
     their_streams = streams.detach().permute(1, 2, 0, 3).contiguous().requires_grad_()  # theirs: [batch, seq, n, D]
     post, residual = ours.output_and_residual_weights(streams)
-    new_streams = ours.absorb(sublayer(ours(streams)), streams)[0]
+    new_streams = ours.absorb(sublayer(ours(HyperStreams(streams))), HyperStreams(streams)).streams
     their_post, comb, collapsed = theirs(their_streams)
     # DeepseekV4DecoderLayer's update, without its pre-norm (a part of the sublayer, not of mHC).
     their_new = their_post.unsqueeze(-1) * their_sublayer(collapsed).unsqueeze(-2) + comb.transpose(-1, -2) @ their_streams
@@ -309,7 +312,7 @@ def test_mhc_matches_deepseek_v4_hyper_connection():
     assert relative_error(post, their_post) <= 1e-6
     assert relative_error(residual, comb.transpose(-1, -2)) <= 1e-6
     assert (residual - 1 / n).abs().max() > 0.2  # far from uniform, where the order of Sinkhorn's steps matters
-    assert relative_error(ours(streams), collapsed) <= 1e-6
+    assert relative_error(ours(HyperStreams(streams)), collapsed) <= 1e-6
     assert relative_error(new_streams.permute(1, 2, 0, 3), their_new) <= 1e-6
 
     weights = torch.randn(new_streams.shape, generator=generator)
@@ -381,10 +384,10 @@ def test_ablation_step_follows_its_definition(ablation, with_partial):
         weights = torch.sigmoid(logits) if ablation == "sigmoid" else torch.softmax(logits, 0)
         expected = (weights[..., None] * sources).sum(0)
     with torch.no_grad():
-        # The ablations' state: no gathered queries and no phase 1 (depth_mixing's module docstring).
-        state = (TORCH_KERNELS, False, None, blocks_inv_rms, None, partial, *blocks)
-        assert max_diff(module(*state), expected) <= 1e-5
-        weights = module.attention_weights(*state)
+        # The ablations' state: no gathered queries and no phase 1 (`DepthState`).
+        state, context = DepthState(tuple(blocks), blocks_inv_rms, partial), DepthContext(TORCH_KERNELS)
+        assert max_diff(module(state, context), expected) <= 1e-5
+        weights = module.attention_weights(state, context)
     if ablation == "sliding_window":  # a column for every source of the unwindowed step, 0 outside the window
         assert weights.shape[-1] == module.num_unwindowed_sources and (weights[..., 1:-2] == 0).all()
     else:
@@ -403,8 +406,8 @@ def test_sliding_window_keeps_only_the_window_in_the_depth_state(name):
     window = model.config.depth_window
     sizes = []
     hooks = [
-        # args: (kernels, materialize, queries, blocks_inv_rms, ...): a row of blocks_inv_rms per block the state keeps
-        module.register_forward_pre_hook(lambda m, args: sizes.append(args[3].shape[0]))
+        # args: (state, context): a row of blocks_inv_rms per block the state keeps
+        module.register_forward_pre_hook(lambda m, args: sizes.append(args[0].blocks_inv_rms.shape[0]))
         for module in model.modules()
         if type(module).__name__ == "SlidingWindowDepthAttention"
     ]

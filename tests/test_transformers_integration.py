@@ -51,11 +51,11 @@ def prompt_ids(model: AttnResForCausalLM, length: int, seed: int) -> torch.Tenso
 )
 def test_forward_names_every_argument_llama_and_mixtral_name(ours, theirs):
     """An argument Llama or Mixtral names but ours leaves to `**kwargs` would be swallowed without effect."""
-    named = lambda model_class: {
-        name
-        for name, parameter in inspect.signature(model_class.forward).parameters.items()
-        if parameter.kind is not parameter.VAR_KEYWORD
-    }
+
+    def named(model_class: type) -> set[str]:
+        parameters = inspect.signature(model_class.forward).parameters.items()
+        return {name for name, parameter in parameters if parameter.kind is not parameter.VAR_KEYWORD}
+
     assert named(theirs) <= named(ours)
 
 

@@ -65,7 +65,8 @@ def import_common_tests() -> tuple[types.ModuleType, types.ModuleType]:
     """`(test_modeling_common, test_configuration_common)` of the installed Transformers version."""
     if not (TESTS_ROOT / PACKAGE / "test_modeling_common.py").is_file():
         raise RuntimeError(
-            f"Transformers {transformers.__version__}'s common tests are not in {TESTS_ROOT}: run `bash scripts/setup.sh`"
+            f"Transformers {transformers.__version__}'s common tests are not in {TESTS_ROOT}: "
+            "run `bash scripts/setup.sh`"
         )
     if str(TESTS_ROOT) not in sys.path:
         sys.path.insert(0, str(TESTS_ROOT))

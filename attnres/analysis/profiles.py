@@ -2,7 +2,7 @@
 
 The paper's analysis (Figure 8 and its training-dynamics figures) contrasts a PreNorm baseline, whose hidden state
 grows with depth while the gradients concentrate in the first layers, with AttnRes, whose sublayers choose their
-sources. For one text this module measures, per sublayer l = 1..L (SPEC §1 numbering):
+sources. For one text this module measures, per sublayer l = 1..L (docs/design.md §1 numbering):
 
 - the depth-attention weights of the mixing step in front of it, averaged over the tokens (AttnRes models only);
 - the RMS of its input h_l (the residual stream in a PreNorm model, the depth-mixed input under AttnRes) and of

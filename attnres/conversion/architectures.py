@@ -2,7 +2,7 @@
 
 A checkpoint converts exactly when every sublayer is PreNorm (`h + f(RMSNorm(h))`) and its weights are those of
 Llama's or Mixtral's modules, because then the AttnRes model with zero pseudo-queries computes the same function
-(SPEC §5). Post-norm and parallel-residual decoders break that identity and are refused with the reason.
+(docs/design.md §5). Post-norm and parallel-residual decoders break that identity and are refused with the reason.
 """
 
 import re

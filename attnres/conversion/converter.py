@@ -2,8 +2,8 @@
 
 The shared weights keep their names, so conversion copies tensors shard by shard from the source safetensors into
 the destination, adds zero pseudo-queries and unit key-norm gains, writes an `AttnResConfig` with the exact retrofit
-on (SPEC §5), and copies the tokenizer, chat template, generation config and the remote code. Everything is written
-into a temporary folder beside DST; it becomes DST by a rename only after verification passed, so DST is either
+on (docs/design.md §5), and copies the tokenizer, chat template, generation config and the remote code. Everything is
+written into a temporary folder beside DST; it becomes DST by a rename only after verification passed, so DST is either
 absent, left as it was, or complete and verified.
 """
 
@@ -110,7 +110,8 @@ def convert(
             dequantised to float32).
         verify: run source and result on probe prompts and a text, and fail unless they agree within `tolerance`.
         exact_retrofit: give each pre-norm the eps / k^2 of its depth-mixing step so the result equals the source to
-            float precision (SPEC §5). Without it the models differ by the RMSNorm eps, which may fail verification.
+            float precision (docs/design.md §5). Without it the models differ by the RMSNorm eps, which may fail
+            verification.
         gguf_file: the GGUF file inside `source` when `source` is a Hub id or a folder.
         revision: Hub revision for Hub ids.
         tolerance, verify_dtype, text, max_text_tokens: see `verify_conversion`.

@@ -8,7 +8,8 @@ converted model runs and is compared against the record.
 Tolerance (float32, exact retrofit): max |dlogit| <= 1e-3, perplexity within 0.1%, every *decisive* position (the
 source's top-2 logit margin above twice the logit tolerance) with the same top-1 token, and identical greedy
 generations unless they part at such a near-tie. Exactly retrofitted models stay well inside (SmolLM2-135M: 8e-5, the
-float rounding of a different summation order); without the exact retrofit the RMSNorm eps gap shows (SPEC §5).
+float rounding of a different summation order); without the exact retrofit the RMSNorm eps gap shows (docs/design.md
+§5).
 """
 
 import gc

@@ -1,4 +1,4 @@
-"""Kernels for Block AttnRes aggregation (SPEC §6), each beside the PyTorch reference it is tested against.
+"""Kernels for Block AttnRes aggregation (docs/design.md §6), each beside the PyTorch reference it is tested against.
 
 - Triton kernels, forward and backward, as PyTorch custom ops (`phase1.py`, `phase2.py`): `phase1` and
   `phase2_rms_norm` (phase 2 fused with the RMSNorm in front of the sublayer that reads its result) take and return
@@ -10,8 +10,8 @@
 - Fused C++ forward passes for inference on the CPU (`cpu.cpp`, built and loaded by `attnres.kernels.cpu`).
 
 Without Triton this package still imports (for `attnres.kernels.cpu`), without the Triton names.
-`attnres.depth_mixing.two_phase_ops` imports each kind of kernel only when it is selected, so the model runs
-without either, and CPU processes never JIT-compile the Triton kernels.
+`attnres.kernel_dispatch.depth_kernels` imports each kind of kernel only when it is selected (docs/design.md §8), so
+the model runs without either, and CPU processes never JIT-compile the Triton kernels.
 """
 
 try:

@@ -1,4 +1,4 @@
-// Block AttnRes's two phases (SPEC §6) as fused CPU loops, forward and backward: what `attnres.two_phase_torch`
+// Block AttnRes's two phases (docs/design.md §6) as fused CPU loops, forward and backward: what `attnres.two_phase_torch`
 // computes with a dozen or more tensor operations per phase and pass, in one pass over each token's rows.
 //
 // On a CPU, depth attention's cost is not arithmetic but per-operation overhead and memory passes: decoding one

@@ -8,16 +8,18 @@ compiled with PyTorch's C++ extension builder the first time a process needs it 
 `TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), which needs a C++ compiler and `ninja`; where it
 cannot be built the model logs why once and keeps `two_phase_torch`, which computes the same.
 
-Inside `torch.compile` the functions here defer to `two_phase_torch`, whose plain tensor operations inductor traces
-and fuses itself. Their `*_without_autograd` variants skip that check and autograd's: the model chooses them for a
-forward pass that starts with gradients off (`depth_mixing.two_phase_ops`), where decoding a token calls them 2L + 1
-times and the checks cost a few Python calls each.
+`implementations(differentiable)` gives the operations by their `kernel_dispatch.DepthKernels` names. With autograd,
+each one runs `two_phase_torch` inside `torch.compile` (whose plain operations inductor fuses), its autograd Function
+where autograd records the call, and the kernel directly otherwise; without autograd (a forward pass that starts with
+gradients off, `kernel_dispatch.depth_kernels`) it is the kernel, called directly, skipping the checks that decoding
+a token would otherwise run in each of the 2L + 1 steps. Where a gain's dtype differs from the model's (the kernels
+keep one dtype throughout), `two_phase_torch` computes the operation, with its own autograd.
 """
 
 import functools
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -59,9 +61,8 @@ def extension():
 
 
 class _Phase1(torch.autograd.Function):
-    """`obar` as S separate outputs, so that each step's gradient for its row reaches the backward pass as it is.
-
-    With `append_eps` (`close_block`), the kernel appends the newest block's inverse RMS to `blocks_inv_rms` and
+    """Phase 1's rows as S separate outputs, so that each step's gradient for its row reaches the backward pass as it
+    is. With `append_eps` (`close_block`), the kernel appends the newest block's inverse RMS to `blocks_inv_rms` and
     returns the `[N, *tokens]` first; its gradient then reaches the newest block in phase 1's backward pass."""
 
     @staticmethod
@@ -84,6 +85,24 @@ class _Phase1(torch.autograd.Function):
         return grad_inv_rms, grad_queries, None, *grad_blocks
 
 
+class _AppendInverseRMS(torch.autograd.Function):
+    """The kernel's forward pass in training too, so that reentrant activation checkpointing, which runs the forward
+    pass without gradients and recomputes it with them, recomputes exactly the same values."""
+
+    @staticmethod
+    def forward(ctx, blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float):
+        appended = extension().append_inverse_rms(blocks_inv_rms, block, eps)
+        ctx.save_for_backward(block, appended[-1])
+        return appended
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """`r = (mean(x^2) + eps)^(-1/2)` per token, so `dr/dx = -r^3 x / D` (docs/design.md §7)."""
+        block, inv_rms = ctx.saved_tensors
+        coef = grad[-1] * inv_rms.pow(3) / block.shape[-1]
+        return grad[:-1], (-coef.unsqueeze(-1) * block.float()).to(block.dtype), None
+
+
 class _Phase2RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, obar, lse, partial, query, eps, norm_weight, norm_eps):
@@ -100,118 +119,6 @@ class _Phase2RMSNorm(torch.autograd.Function):
         return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None
 
 
-def phase1(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """`two_phase_torch.phase1` with `obar` as its S rows: `((obar_0, ..., obar_{S-1}), lse [S, *tokens])`, fp32,
-    each row `[*tokens, D]` (see `depth_mixing.DepthKernels`)."""
-    if torch.compiler.is_compiling():
-        obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
-        return obar.unbind(0), lse
-    if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
-        lse, *obar = _Phase1.apply(blocks_inv_rms, queries, None, *blocks)
-        return tuple(obar), lse
-    return phase1_without_autograd(blocks, blocks_inv_rms, queries)
-
-
-def phase1_without_autograd(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """`phase1` where autograd records nothing and nothing is compiled: the kernel, called directly."""
-    _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None, False)
-    return tuple(obar), lse
-
-
-def close_block(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
-    """`append_inverse_rms(blocks_inv_rms, blocks[-1], eps)`, then `phase1` over `blocks` with it, as one pass over
-    the blocks: `(blocks_inv_rms [N, *tokens], obar rows, lse)` (see `depth_mixing.DepthKernels`)."""
-    if torch.compiler.is_compiling():  # both fall back to `two_phase_torch`
-        blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
-        return blocks_inv_rms, *phase1(blocks, blocks_inv_rms, queries)
-    if two_phase_torch.differentiating(blocks_inv_rms, queries, *blocks):
-        blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, queries, eps, *blocks)
-        return blocks_inv_rms, tuple(obar), lse
-    return close_block_without_autograd(blocks, blocks_inv_rms, queries, eps)
-
-
-def close_block_without_autograd(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
-    """`close_block` where autograd records nothing and nothing is compiled: the kernel, called directly."""
-    blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps, False)
-    return blocks_inv_rms, tuple(obar), lse
-
-
-class _AppendInverseRMS(torch.autograd.Function):
-    """The kernel's forward pass in training too, so that reentrant activation checkpointing, which runs the forward
-    pass without gradients and recomputes it with them, recomputes exactly the same values."""
-
-    @staticmethod
-    def forward(ctx, blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float):
-        appended = extension().append_inverse_rms(blocks_inv_rms, block, eps)
-        ctx.save_for_backward(block, appended[-1])
-        return appended
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        """`r = (mean(x^2) + eps)^(-1/2)` per token, so `dr/dx = -r^3 x / D`."""
-        block, inv_rms = ctx.saved_tensors
-        coef = grad[-1] * inv_rms.pow(3) / block.shape[-1]
-        return grad[:-1], (-coef.unsqueeze(-1) * block.float()).to(block.dtype), None
-
-
-def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
-    """`two_phase_torch.append_inverse_rms`: `[N + 1, *tokens]`."""
-    if torch.compiler.is_compiling():
-        return two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps)
-    if two_phase_torch.differentiating(blocks_inv_rms, block):
-        return _AppendInverseRMS.apply(blocks_inv_rms, block, eps)
-    return append_inverse_rms_without_autograd(blocks_inv_rms, block, eps)
-
-
-def append_inverse_rms_without_autograd(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
-    """`append_inverse_rms` where autograd records nothing and nothing is compiled: the kernel, called directly."""
-    return extension().append_inverse_rms(blocks_inv_rms, block, eps)
-
-
-def phase2_rms_norm(
-    obar: torch.Tensor,
-    lse: torch.Tensor,
-    partial: torch.Tensor,
-    query: torch.Tensor,
-    eps: float,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-) -> torch.Tensor:
-    """`two_phase_torch.phase2_rms_norm`."""
-    args = (obar, lse, partial, query, eps, norm_weight, norm_eps)
-    if torch.compiler.is_compiling():
-        return two_phase_torch.phase2_rms_norm(*args)
-    if norm_weight.dtype == partial.dtype and two_phase_torch.differentiating(obar, lse, partial, query, norm_weight):
-        return _Phase2RMSNorm.apply(*args)
-    return phase2_rms_norm_without_autograd(*args)
-
-
-def phase2_rms_norm_without_autograd(
-    obar: torch.Tensor,
-    lse: torch.Tensor,
-    partial: torch.Tensor,
-    query: torch.Tensor,
-    eps: float,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-) -> torch.Tensor:
-    """`phase2_rms_norm` where autograd records nothing and nothing is compiled. The kernel keeps the partial's dtype
-    throughout, so a gain of another dtype (whose product the reference promotes) takes the PyTorch path, with
-    autograd where it records."""
-    args = (obar, lse, partial, query, eps, norm_weight, norm_eps)
-    if norm_weight.dtype != partial.dtype:
-        return two_phase_torch.phase2_rms_norm(*args)
-    return extension().phase2_rms_norm(*args)[0]
-
-
 class _Phase1RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, obar: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float):
@@ -225,34 +132,123 @@ class _Phase1RMSNorm(torch.autograd.Function):
         return grad_obar, grad_weight, None
 
 
-def phase1_rms_norm(
-    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
-) -> torch.Tensor:
-    """`two_phase_torch.phase1_rms_norm`."""
-    if torch.compiler.is_compiling():
-        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
-    if norm_weight.dtype == dtype and two_phase_torch.differentiating(obar, norm_weight):
-        return _Phase1RMSNorm.apply(obar, norm_weight, norm_eps)
-    return phase1_rms_norm_without_autograd(obar, dtype, norm_weight, norm_eps)
+# Each operation three ways, with `two_phase_torch`'s signature (phase 1 returning its rows):
+# (the kernel called directly, the kernel's autograd Function, the PyTorch fallback).
 
 
-def phase1_rms_norm_without_autograd(
-    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
-) -> torch.Tensor:
-    """`phase1_rms_norm` where autograd records nothing and nothing is compiled. The kernel writes the gain's dtype,
-    so a gain of another dtype than the model's takes the PyTorch path, with autograd where it records."""
+def _torch_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+    obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
+    return obar.unbind(0), lse
+
+
+def _torch_close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
+    blocks_inv_rms = two_phase_torch.append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
+    return blocks_inv_rms, *_torch_phase1(blocks, blocks_inv_rms, queries)
+
+
+def _direct_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+    _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None, False)
+    return tuple(obar), lse
+
+
+def _recorded_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+    lse, *obar = _Phase1.apply(blocks_inv_rms, queries, None, *blocks)
+    return tuple(obar), lse
+
+
+def _direct_close_block(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+):
+    """Appending the newest block's inverse RMS and phase 1 over all the blocks, in one pass over them."""
+    blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps, False)
+    return blocks_inv_rms, tuple(obar), lse
+
+
+def _recorded_close_block(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+):
+    blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, queries, eps, *blocks)
+    return blocks_inv_rms, tuple(obar), lse
+
+
+def _direct_append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
+    return extension().append_inverse_rms(blocks_inv_rms, block, eps)
+
+
+def _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
+    if norm_weight.dtype != partial.dtype:
+        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
+    return extension().phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)[0]
+
+
+def _recorded_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
+    if norm_weight.dtype != partial.dtype:
+        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
+    return _Phase2RMSNorm.apply(obar, lse, partial, query, eps, norm_weight, norm_eps)
+
+
+def _direct_phase1_rms_norm(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
     if norm_weight.dtype != dtype:
         return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
     return extension().phase1_rms_norm(obar, norm_weight, norm_eps)[0]
 
 
-# The kernels in `depth_mixing.DepthKernels`' order: with autograd (and the PyTorch path inside `torch.compile`), and
-# for a forward pass that autograd does not record, which skips both checks in each of the 2L + 1 steps' calls.
-KERNELS = (phase1, phase1_rms_norm, phase2_rms_norm, append_inverse_rms, close_block)
-KERNELS_WITHOUT_AUTOGRAD = (
-    phase1_without_autograd,
-    phase1_rms_norm_without_autograd,
-    phase2_rms_norm_without_autograd,
-    append_inverse_rms_without_autograd,
-    close_block_without_autograd,
-)
+def _recorded_phase1_rms_norm(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
+    if norm_weight.dtype != dtype:
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
+    return _Phase1RMSNorm.apply(obar, norm_weight, norm_eps)
+
+
+_OPERATIONS = {
+    "phase1": (_direct_phase1, _recorded_phase1, _torch_phase1),
+    "phase1_rms_norm": (_direct_phase1_rms_norm, _recorded_phase1_rms_norm, two_phase_torch.phase1_rms_norm),
+    "phase2_rms_norm": (_direct_phase2_rms_norm, _recorded_phase2_rms_norm, two_phase_torch.phase2_rms_norm),
+    "append_inverse_rms": (
+        _direct_append_inverse_rms,
+        _AppendInverseRMS.apply,
+        two_phase_torch.append_inverse_rms,
+    ),
+    "close_block": (_direct_close_block, _recorded_close_block, _torch_close_block),
+}
+
+
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    """The tensors among `args`, those inside a sequence (the blocks) included."""
+    found = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found.extend(arg)
+    return found
+
+
+def _with_autograd(direct: Callable, recorded: Callable, fallback: Callable) -> Callable:
+    """One operation where autograd may record: `fallback` while compiling, `recorded` where autograd records the
+    call, `direct` otherwise."""
+
+    def operation(*args):
+        if torch.compiler.is_compiling():
+            return fallback(*args)
+        if two_phase_torch.differentiating(*_tensors(args)):
+            return recorded(*args)
+        return direct(*args)
+
+    return operation
+
+
+_WITH_AUTOGRAD = {name: _with_autograd(*ways) for name, ways in _OPERATIONS.items()}
+_WITHOUT_AUTOGRAD = {name: direct for name, (direct, _, _) in _OPERATIONS.items()}
+
+# `two_phase_torch`'s operations (phase 1 returning its rows), for callers outside the model.
+phase1 = _WITH_AUTOGRAD["phase1"]
+phase1_rms_norm = _WITH_AUTOGRAD["phase1_rms_norm"]
+phase2_rms_norm = _WITH_AUTOGRAD["phase2_rms_norm"]
+append_inverse_rms = _WITH_AUTOGRAD["append_inverse_rms"]
+close_block = _WITH_AUTOGRAD["close_block"]
+
+
+def implementations(differentiable: bool) -> dict[str, Callable]:
+    """The kernels by their `kernel_dispatch.DepthKernels` names: with autograd where the forward pass may be recorded
+    (`differentiable`), or called directly."""
+    return _WITH_AUTOGRAD if differentiable else _WITHOUT_AUTOGRAD

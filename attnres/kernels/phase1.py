@@ -1,4 +1,4 @@
-"""Phase 1 of SPEC §6 in Triton: all `Q` pseudo-queries of a block against the `N` completed blocks.
+"""Phase 1 of docs/design.md §6 in Triton: all `Q` pseudo-queries of a block against the `N` completed blocks.
 
 Reference: `attnres.two_phase.phase1` (re-exported as `attnres.kernels.reference.phase1`); same signature, same
 fp32 outputs, tested against it.

@@ -1,4 +1,4 @@
-"""Phase 2 of SPEC §6 in Triton, fused with the pre-norm of the sublayer that reads its result.
+"""Phase 2 of docs/design.md §6 in Triton, fused with the pre-norm of the sublayer that reads its result.
 
 Phase 2 merges the running partial sum `P` of the current block into phase 1's result for one pseudo-query `w`:
 `h = obar + g (P - obar)` with `g = sigmoid(s - lse)` and the partial's logit `s = (w . P) * inv_rms(P)`. In the model

@@ -1,8 +1,8 @@
 """Selecting the depth-mixing parameters: the pseudo-queries and key norms AttnRes adds to a model.
 
 Retrofitting a converted checkpoint starts from uniform depth attention, which reproduces the source model
-(SPEC §5). The cheapest useful adaptation trains only these parameters (two vectors of `hidden_size` per sublayer
-plus the output step; 70k parameters for SmolLM2-135M) and leaves every pretrained weight untouched.
+(docs/design.md §5). The cheapest useful adaptation trains only these parameters (two vectors of `hidden_size` per
+sublayer plus the output step; 70k parameters for SmolLM2-135M) and leaves every pretrained weight untouched.
 """
 
 import re

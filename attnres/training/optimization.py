@@ -3,14 +3,15 @@
 Weight decay pulls every decayed parameter towards zero. For most matrices that is a mild regulariser, but the
 parameters of the residual path have a meaningful *non-zero* state, or a zero state that is not neutral:
 
-- a pseudo-query `w_l` at zero is uniform depth attention (SPEC §3, §5). Decaying it drags every sublayer back to
+- a pseudo-query `w_l` at zero is uniform depth attention (docs/design.md §3, §5). Decaying it drags every sublayer back
+to
   averaging its sources, i.e. it fights exactly what the depth mixing is supposed to learn; and since a
   pseudo-query has only `hidden_size` entries, the decay term is not small next to its gradient;
 - RMSNorm gains (the key norms of the depth-mixing steps, the pre-norms and the final norm) start at one and scale
   their inputs; decay shrinks them towards zero, which rescales the keys (flattening the depth softmax) and the
   sublayer inputs rather than regularising anything;
-- the comparison residuals (SPEC §7) keep their mixing coefficients in the same `*_residual` modules, some of them
-  matrices (Hyper-Connections' identity-initialised `static_residual`, mHC's `residual_bias`): decaying them
+- the comparison residuals (docs/design.md §9) keep their mixing coefficients in the same `*_residual` modules, some
+  of them matrices (Hyper-Connections' identity-initialised `static_residual`, mHC's `residual_bias`): decaying them
   would pull the residual connection itself towards zero.
 
 So every parameter of a `*_residual` module (pseudo-queries, key norms, comparison coefficients), every other norm,

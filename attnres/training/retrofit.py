@@ -1,8 +1,8 @@
 """The retrofit step: teach a converted checkpoint's depth routing on real text, and draw what it learned.
 
 A freshly converted model has zero pseudo-queries, i.e. uniform depth attention, which reproduces its PreNorm
-source exactly (SPEC §5). `retrofit_depth` trains the pseudo-queries and key norms (optionally together with LoRA
-adapters) for a short budget and measures the held-out loss before and after, so a user sees the converted
+source exactly (docs/design.md §5). `retrofit_depth` trains the pseudo-queries and key norms (optionally together with
+LoRA adapters) for a short budget and measures the held-out loss before and after, so a user sees the converted
 starting point improve; `plot_depth_attention` shows which sources each sublayer learned to read.
 """
 
@@ -167,7 +167,7 @@ def depth_attention_table(model: nn.Module, input_ids: torch.LongTensor) -> tupl
 
     Returns a `[L + 1, N + 2]` tensor (NaN where a step has no such source) and the row labels. Rows are the
     mixing steps in sublayer order (`attn 0`, `mlp 0`, ..., `output`); columns are the block sources
-    b_0 (embedding) .. b_N and, last, the running partial sum of the current block (SPEC §4).
+    b_0 (embedding) .. b_N and, last, the running partial sum of the current block (docs/design.md §4).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config

@@ -1,0 +1,120 @@
+"""Which implementation computes the two phases of depth attention (docs/design.md §8).
+
+Every implementation provides the operations of `DepthKernels` with the signatures of `two_phase_torch`, and is
+tested against the PyTorch reference (`two_phase.py`). `depth_kernels` chooses one, once per combination of device
+type, setting and grad mode; the model asks once per forward pass.
+
+This file is copied flat into remote-code checkpoints, which must load where neither `attnres` nor Triton is
+installed: the kernels are imported here, absolutely and inside `try`, only when chosen.
+"""
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
+from .two_phase_torch import phase1 as torch_phase1
+from .two_phase_torch import phase1_rms_norm as torch_phase1_rms_norm
+from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
+
+
+SETTINGS = ("auto", "reference", "triton", "cpu")
+
+
+class DepthKernels(NamedTuple):
+    """The operations of the two-phase form (docs/design.md §6), as `two_phase_torch` defines them, except that
+    `phase1` returns phase 1's output as a tuple of its S rows `[*tokens, D]` (one per step, the form the depth state
+    holds), and `close_block(blocks, blocks_inv_rms, queries, eps)` is what the step that closes a block computes:
+    the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
+    `(blocks_inv_rms, rows, lse)`.
+
+    `differentiable`: whether autograd records the forward pass they were chosen for; when it does not, a step may
+    update its own tensors in place.
+    """
+
+    phase1: Callable
+    phase1_rms_norm: Callable
+    phase2_rms_norm: Callable
+    append_inverse_rms: Callable
+    close_block: Callable
+    differentiable: bool = True
+
+
+def composed(
+    phase1: Callable, phase1_rms_norm: Callable, phase2_rms_norm: Callable, append_inverse_rms: Callable
+) -> DepthKernels:
+    """`DepthKernels` from `two_phase_torch`-style operations: `phase1`'s stacked output split into rows, and
+    `close_block` composed of `append_inverse_rms` and `phase1`."""
+
+    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        obar, lse = phase1(blocks, blocks_inv_rms, queries)
+        return obar.unbind(0), lse
+
+    def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
+        blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
+        return blocks_inv_rms, *phase1_rows(blocks, blocks_inv_rms, queries)
+
+    return DepthKernels(phase1_rows, phase1_rms_norm, phase2_rms_norm, append_inverse_rms, close_block)
+
+
+TORCH_KERNELS = composed(torch_phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
+
+
+def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiable: bool = True) -> DepthKernels:
+    """The implementations for tensors on `device` under the setting: the config's `depth_kernel` (`auto` or
+    `reference`), else the environment variable `ATTNRES_DEPTH_KERNEL`, either of which can say `reference`:
+
+    - `auto`: the Triton kernels on CUDA when Triton is importable, the fused C++ kernels on the CPU when they build,
+      `two_phase_torch` otherwise;
+    - `reference`: `two_phase_torch` everywhere;
+    - `triton` / `cpu`: those kernels, or an error if they cannot be loaded (`triton` on a CPU means Triton's
+      interpreter, `TRITON_INTERPRET=1`, for tests).
+
+    With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
+    wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses.
+    """
+    override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
+    if override not in SETTINGS:
+        raise ValueError(f"ATTNRES_DEPTH_KERNEL={override!r} is invalid: allowed values are {', '.join(SETTINGS)}")
+    setting = "reference" if depth_kernel == "reference" else override
+    if torch.compiler.is_compiling():  # dynamo does not trace into the cache; the choice is traced instead
+        return _choose(device.type, setting, differentiable, compiling=True)
+    return _remembered(device.type, setting, differentiable)
+
+
+def _choose(device_type: str, setting: str, differentiable: bool, compiling: bool = False) -> DepthKernels:
+    if setting == "reference":
+        return TORCH_KERNELS._replace(differentiable=differentiable)
+    if device_type == "cpu" and setting in ("auto", "cpu") and not compiling:
+        try:
+            from attnres.kernels import cpu
+        except ImportError:
+            cpu = None
+        if cpu is not None and cpu.extension() is not None:
+            return DepthKernels(**cpu.implementations(differentiable), differentiable=differentiable)
+        if setting == "cpu":
+            raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
+        return TORCH_KERNELS._replace(differentiable=differentiable)
+    if device_type != "cuda" and setting != "triton":
+        return TORCH_KERNELS._replace(differentiable=differentiable)
+    try:
+        from attnres.kernels import phase1, phase2_rms_norm
+    except ImportError:
+        if setting == "triton":
+            raise
+        return TORCH_KERNELS._replace(differentiable=differentiable)
+
+    def stacked_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        # The Triton kernel reads the blocks stacked: one extra pass over them per block, not per sublayer.
+        return phase1(torch.stack(blocks), blocks_inv_rms, queries)
+
+    kernels = composed(stacked_phase1, torch_phase1_rms_norm, phase2_rms_norm, torch_append_inverse_rms)
+    return kernels._replace(differentiable=differentiable)
+
+
+# Decoding one token calls for a choice on every forward pass; importing and checking again would cost more than
+# phase 2 on a CPU.
+_remembered = functools.cache(_choose)
