@@ -85,9 +85,15 @@ def stack_queries(steps: Sequence[DepthQuery]) -> torch.Tensor | None:
     return torch.stack([step() for step in steps])
 
 
-def holds_full_values(step: nn.Module) -> bool:
-    """Whether every parameter of `step` is whole (`[D]`, not a DTensor shard nor an empty placeholder)."""
-    return all(parameter.numel() > 0 and not isinstance(parameter, DTensor) for parameter in step.parameters())
+def holds_full_values(step: DepthQuery) -> bool:
+    """Whether the step's parameters are whole (not a DTensor shard nor an empty placeholder). A plain `nn.Parameter`
+    is no DTensor, and skips the slower subclass check."""
+    parameters = (step.pseudo_query, step.key_norm_weight)
+    return all(
+        parameter is None
+        or (parameter.numel() > 0 and (type(parameter) is nn.Parameter or not isinstance(parameter, DTensor)))
+        for parameter in parameters
+    )
 
 
 class StandardResidual(DepthMixer):
@@ -178,7 +184,7 @@ class DepthAttention(DepthMixer):
         else:
             partial = partial + output
         if not self.closes_block:
-            return state._replace(partial=partial)
+            return DepthState(state.blocks, state.blocks_inv_rms, partial, state.queries, state.phase1_rows, state.lse)
         blocks = (*state.blocks, partial)
         if state.queries is None or self.next_block is None:
             blocks_inv_rms = kernels.append_inverse_rms(state.blocks_inv_rms, partial, self.eps)

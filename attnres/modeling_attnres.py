@@ -9,7 +9,6 @@ docs/design.md.
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -135,9 +134,10 @@ class AttnResAttention(nn.Module):
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """An attention sublayer and an MLP (or MoE) sublayer, each behind its own depth-mixing module.
 
-    The layer maps the depth state to the next one. The state crosses the layer's boundary as positional tensors
-    (`__call__`), the form in which reentrant activation checkpointing recomputes and differentiates through all of
-    them; what is not a tensor (the state's layout, the forward pass's `DepthContext`) travels as keywords.
+    The layer maps the depth state to the next one. Under activation checkpointing the state crosses the layer's
+    boundary flattened to positional tensors (`__call__`), the only form in which reentrant checkpointing recomputes
+    and differentiates through all of them; what is not a tensor (the state's layout, the forward pass's
+    `DepthContext`) travels as keywords.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
@@ -150,7 +150,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.attn_residual = depth_mixer(config, attn_position)
         self.mlp_residual = depth_mixer(config, mlp_position)
 
-    def __call__(self, depth_state: NamedTuple, **kwargs) -> NamedTuple:
+    def __call__(self, depth_state: tuple, **kwargs) -> tuple:
+        if not (self.gradient_checkpointing and self.training):
+            return super().__call__(depth_state, **kwargs)
         tensors, layout = flatten_state(depth_state)
         *tensors, layout = super().__call__(*tensors, depth_layout=layout, **kwargs)
         return layout.unflatten(tensors)
@@ -158,16 +160,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
-        *depth_tensors: torch.Tensor | None,
-        depth_layout: StateLayout,
+        *depth_state: tuple | torch.Tensor | None,
         depth_context: DepthContext,
+        depth_layout: StateLayout | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple:
-        state = depth_layout.unflatten(depth_tensors)
+        state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
         hidden_states = self.attn_residual(state, depth_context)
         attn_output, _ = self.self_attn(
             self.input_layernorm(hidden_states),
@@ -182,6 +184,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.mlp_residual(state, depth_context)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         state = self.mlp_residual.absorb(mlp_output, state, depth_context)
+        if depth_layout is None:
+            return state
         tensors, layout = flatten_state(state)
         return *tensors, layout
 
