@@ -86,8 +86,9 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
 
 
 def _choose(device_type: str, setting: str, differentiable: bool, compiling: bool = False) -> DepthKernels:
+    torch_kernels = TORCH_KERNELS._replace(differentiable=differentiable)
     if setting == "reference":
-        return TORCH_KERNELS._replace(differentiable=differentiable)
+        return torch_kernels
     if device_type == "cpu" and setting in ("auto", "cpu") and not compiling:
         try:
             from attnres.kernels import cpu
@@ -97,15 +98,15 @@ def _choose(device_type: str, setting: str, differentiable: bool, compiling: boo
             return DepthKernels(**cpu.implementations(differentiable), differentiable=differentiable)
         if setting == "cpu":
             raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
-        return TORCH_KERNELS._replace(differentiable=differentiable)
+        return torch_kernels
     if device_type != "cuda" and setting != "triton":
-        return TORCH_KERNELS._replace(differentiable=differentiable)
+        return torch_kernels
     try:
         from attnres.kernels import phase1, phase2_rms_norm
     except ImportError:
         if setting == "triton":
             raise
-        return TORCH_KERNELS._replace(differentiable=differentiable)
+        return torch_kernels
 
     def stacked_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
         # The Triton kernel reads the blocks stacked: one extra pass over them per block, not per sublayer.

@@ -14,6 +14,7 @@ they import; this module registers stand-ins for them before the import:
 load tiny models from the Hub.
 """
 
+import importlib
 import sys
 import types
 from pathlib import Path
@@ -71,8 +72,6 @@ def import_common_tests() -> tuple[types.ModuleType, types.ModuleType]:
     if str(TESTS_ROOT) not in sys.path:
         sys.path.insert(0, str(TESTS_ROOT))
     _register_stand_ins()
-    import importlib
-
     return (
         importlib.import_module(f"{PACKAGE}.test_modeling_common"),
         importlib.import_module(f"{PACKAGE}.test_configuration_common"),
