@@ -1,4 +1,4 @@
-"""How the fused CPU kernels are built and cached (`attnres.kernels.cpu.compiled`): one folder per build key, built
+"""How the fused CPU kernels are built and cached (`attnres.kernels.build.compiled`): one folder per build key, built
 once per machine and environment, safe between concurrent processes and checkouts.
 
 The builds here compile `TINY`, an empty Python module that builds in seconds, in place of `cpu.cpp` (a minute), each
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres.kernels import cpu
+from attnres.kernels import build
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +38,8 @@ CFLAGS, LDFLAGS = ["-O0"], []
 LOAD = f"""
 import sys
 from pathlib import Path
-from attnres.kernels import cpu
-print(cpu.compiled(Path(sys.argv[1]), {CFLAGS!r}, {LDFLAGS!r}).__file__)
+from attnres.kernels import build
+print(build.compiled(Path(sys.argv[1]), {CFLAGS!r}, {LDFLAGS!r}).__file__)
 """
 
 # `LOAD`, started by the test only once both processes are ready: touches argv[2], waits for argv[3] to exist.
@@ -47,11 +47,11 @@ LOAD_AT_ONCE = f"""
 import sys
 import time
 from pathlib import Path
-from attnres.kernels import cpu
+from attnres.kernels import build
 Path(sys.argv[2]).touch()
 while not Path(sys.argv[3]).exists():
     time.sleep(0.01)
-print(cpu.compiled(Path(sys.argv[1]), {CFLAGS!r}, {LDFLAGS!r}).__file__)
+print(build.compiled(Path(sys.argv[1]), {CFLAGS!r}, {LDFLAGS!r}).__file__)
 """
 
 
@@ -72,7 +72,7 @@ def source_tree(folder: Path, comment: str = "an empty module") -> Path:
 
 def build_folder(source: Path) -> Path:
     """The folder `compiled` built `source` into (or imported it from)."""
-    return Path(cpu.compiled(source, CFLAGS, LDFLAGS).__file__).parent
+    return Path(build.compiled(source, CFLAGS, LDFLAGS).__file__).parent
 
 
 def snapshot(folder: Path) -> tuple:
@@ -94,10 +94,10 @@ def building_messages(records: list[logging.LogRecord]) -> list[str]:
 
 def test_key_covers_the_source_the_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch):
     files = {"cpu.cpp": b"int x;"}
-    environment = cpu.build_environment()
-    key = cpu.build_key(files, ["-O3"], ["-fopenmp"], environment)
+    environment = build.build_environment()
+    key = build.build_key(files, ["-O3"], ["-fopenmp"], environment)
     assert re.fullmatch("[0-9a-f]{16}", key)
-    assert cpu.build_key(dict(files), ["-O3"], ["-fopenmp"], dict(environment)) == key
+    assert build.build_key(dict(files), ["-O3"], ["-fopenmp"], dict(environment)) == key
     changed = [
         ({"cpu.cpp": b"int y;"}, ["-O3"], ["-fopenmp"], environment),
         ({**files, "common.h": b""}, ["-O3"], ["-fopenmp"], environment),
@@ -109,12 +109,12 @@ def test_key_covers_the_source_the_flags_and_the_environment(monkeypatch: pytest
             for field in ("torch", "torch_path", "cpu_capability", "compiler", "python", "executable", "prefix")
         ),
     ]
-    keys = {cpu.build_key(*inputs) for inputs in changed}
+    keys = {build.build_key(*inputs) for inputs in changed}
     assert len(keys) == len(changed) and key not in keys
 
     monkeypatch.setattr(sys, "prefix", "/another/venv")
     monkeypatch.setenv("CXX", "clang++")
-    assert cpu.build_environment() == {**environment, "prefix": "/another/venv", "compiler": "clang++"}
+    assert build.build_environment() == {**environment, "prefix": "/another/venv", "compiler": "clang++"}
 
 
 def test_source_files_follow_the_headers_included_with_quotes(tmp_path: Path):
@@ -122,15 +122,15 @@ def test_source_files_follow_the_headers_included_with_quotes(tmp_path: Path):
     (tmp_path / "kernel.cpp").write_text('#include <vector>\n#include "include/common.h"\n')
     (tmp_path / "include" / "common.h").write_text('#pragma once\n  #  include "more.h"\n')
     (tmp_path / "include" / "more.h").write_text("// more\n")
-    files = cpu.source_files(tmp_path / "kernel.cpp")
+    files = build.source_files(tmp_path / "kernel.cpp")
     assert sorted(files) == ["include/common.h", "include/more.h", "kernel.cpp"]
-    key = cpu.build_key(files, [], [], {})
+    key = build.build_key(files, [], [], {})
     (tmp_path / "include" / "more.h").write_text("// changed\n")
-    assert cpu.build_key(cpu.source_files(tmp_path / "kernel.cpp"), [], [], {}) != key
+    assert build.build_key(build.source_files(tmp_path / "kernel.cpp"), [], [], {}) != key
 
     (tmp_path / "outside.cpp").write_text('#include "../elsewhere.h"\n')
     with pytest.raises(OSError, match="outside the source's folder"):
-        cpu.source_files(tmp_path / "outside.cpp")
+        build.source_files(tmp_path / "outside.cpp")
 
 
 def test_a_second_checkout_neither_rebuilds_nor_disturbs_the_first(
@@ -139,7 +139,7 @@ def test_a_second_checkout_neither_rebuilds_nor_disturbs_the_first(
     first = source_tree(tmp_path / "first")
     second = source_tree(tmp_path / "second", comment="the same module, another comment")
     same = source_tree(tmp_path / "same")
-    with caplog.at_level(logging.WARNING, logger=cpu.logger.name):
+    with caplog.at_level(logging.WARNING, logger=build.logger.name):
         first_folder = build_folder(first)
         before = snapshot(first_folder)
         second_folder = build_folder(second)
@@ -207,12 +207,12 @@ def test_a_build_held_too_long_by_another_process_times_out(
     source = source_tree(tmp_path / "checkout")
     folder = build_folder(source)
     (folder / "complete").unlink()
-    monkeypatch.setattr(cpu, "BUILD_WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(build, "BUILD_WAIT_SECONDS", 0.5)
     caplog.clear()
-    with open(folder / "build.lock") as held, caplog.at_level(logging.WARNING, logger=cpu.logger.name):
+    with open(folder / "build.lock") as held, caplog.at_level(logging.WARNING, logger=build.logger.name):
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(TimeoutError, match="another process has been building"):
-            cpu.compiled(source, CFLAGS, LDFLAGS)
+            build.compiled(source, CFLAGS, LDFLAGS)
     assert [record.getMessage() for record in caplog.records] == [
         f"attnres: waiting for another process to build the CPU kernels in {folder}"
     ]
