@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def source_folder(args: argparse.Namespace, work: Path) -> tuple[Path, str]:
     if args.source is not None:
         return args.source, str(args.source)
-    from attnres.cli import default_demo_model
+    from attnres_cli import default_demo_model
     from attnres.conversion.sources import materialize_gguf
 
     gguf = default_demo_model()

@@ -77,7 +77,7 @@ def main() -> None:
     converted = args.output / "converted"
     if not (converted / "config.json").is_file():
         if args.source is None:
-            from attnres.cli import default_demo_model
+            from attnres_cli import default_demo_model
 
             args.source = default_demo_model()
         print(convert(args.source, converted).format())

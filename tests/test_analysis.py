@@ -8,7 +8,7 @@ import torch
 
 from attnres import AttnResForCausalLM
 from attnres.analysis import attention_matrices, depth_profile
-from attnres.cli import main
+from attnres_cli import main
 
 from conftest import randomize_depth_parameters, tiny_config
 

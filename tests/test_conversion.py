@@ -42,10 +42,10 @@ from transformers import (
 )
 
 from attnres import AttnResForCausalLM
-from attnres.cli import DEMO_GGUF, DEMO_PACKAGE, main
 from attnres.conversion import ConversionError, Tolerance, VerificationError, convert
 from attnres.conversion import converter as converter_module
 from attnres.depth_mixing import num_depth_sources
+from attnres_cli import DEMO_GGUF, DEMO_PACKAGE, main
 from conftest import TINY_SHAPE
 
 
@@ -466,6 +466,8 @@ def test_hub_id_downloads_safetensors_only(tmp_path, monkeypatch):
         "list_repo_files",
         lambda repo_id, revision=None: ["model.safetensors", "consolidated.safetensors", "config.json", "model.bin"],
     )
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, revision=None: str(source / filename))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     report = convert("someone/tiny-llama", tmp_path / "out", revision="v1", verify=False, progress=False)
     assert report.source == "someone/tiny-llama"
@@ -659,7 +661,7 @@ def test_upcycled_smollm2_mixtral_converts_exactly(smollm2, shakespeare, referen
 def test_demo_runs_offline_on_the_default_model(smollm2_gguf, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "120"}
     result = subprocess.run(
-        [sys.executable, "-m", "attnres.cli", "demo", "--output", str(tmp_path / "demo"), "--retrofit-steps", "2"],
+        [sys.executable, "-m", "attnres_cli", "demo", "--output", str(tmp_path / "demo"), "--retrofit-steps", "2"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -671,5 +673,6 @@ def test_demo_runs_offline_on_the_default_model(smollm2_gguf, tmp_path):
     assert f"Converted LlamaForCausalLM {smollm2_gguf}" in out
     assert "result               PASS" in out and "3/3 identical" in out
     assert "Greedy generations" in out and "Paris" in out
-    assert "held-out loss" in out and (tmp_path / "attnres-depth-attention.png").is_file()
-    assert all((tmp_path / "demo" / name).is_file() for name in (*CODE_FILES, "tokenizer.json", "chat_template.jinja"))
+    assert "held-out loss" in out and (tmp_path / "demo" / "depth-attention.png").is_file()
+    model = tmp_path / "demo" / "model"
+    assert all((model / name).is_file() for name in (*CODE_FILES, "tokenizer.json", "chat_template.jinja"))

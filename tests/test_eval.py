@@ -294,7 +294,7 @@ def test_smoke_suite_end_to_end_on_a_tiny_model(tmp_path, one_thread):
 
 
 def test_cli_runs_the_smoke_suite_from_a_saved_model(tmp_path, capsys, one_thread):
-    from attnres.cli import main
+    from attnres_cli import main
 
     tokenizer = byte_tokenizer()
     tiny_model(tokenizer).save_pretrained(tmp_path / "model")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnres.cli import default_demo_model
 from attnres.conversion import convert
+from attnres_cli import default_demo_model
 
 from test_transformers_integration import generate_batch_equals_generate
 
@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 def start_server(checkpoint: Path, port: int, options: tuple[str, ...]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "attnres.cli", "serve", str(checkpoint), "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "attnres_cli", "serve", str(checkpoint), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", *options]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
@@ -108,7 +108,7 @@ def test_served_chat_completion_equals_generate(checkpoint, model_and_tokenizer,
 def test_serve_refuses_a_missing_folder_in_one_line(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
     result = subprocess.run(
-        [sys.executable, "-m", "attnres.cli", "serve", str(missing)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "attnres_cli", "serve", str(missing)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: MODEL={str(missing)!r}: no such folder"
+    assert result.stderr.strip() == f"attnres serve: error: MODEL={str(missing)!r}: no such folder"

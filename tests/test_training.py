@@ -364,7 +364,7 @@ def test_token_windows_and_plays():
 @pytest.fixture(scope="module")
 def converted_smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct converted to Block AttnRes once (the conversion's own tests prove it equivalent)."""
-    from attnres.cli import default_demo_model
+    from attnres_cli import default_demo_model
     from attnres.conversion import convert
 
     destination = tmp_path_factory.mktemp("smollm2") / "attnres"

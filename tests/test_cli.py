@@ -1,0 +1,89 @@
+"""The `attnres` command line: it starts without torch, reads `--text-file`, and the demo keeps what it writes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from attnres_cli import build_parser, main
+from conftest import TINY_SHAPE
+
+
+COMMANDS = ("convert", "demo", "eval", "inspect", "serve")
+# Runs the command line in a fresh interpreter and reports, on stdout's last line, which heavy modules it imported.
+PROBE = """
+import sys
+import attnres_cli
+try:
+    status = attnres_cli.main(sys.argv[1:])
+except SystemExit as stop:
+    status = stop.code
+print(sorted({"torch", "transformers"} & set(sys.modules)))
+sys.exit(status)
+"""
+
+
+def run_probe(
+    argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`attnres *argv` in a fresh interpreter; stdout's last line lists torch / transformers if they were imported."""
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, status",
+    [(["--help"], 0), *[([command, "--help"], 0) for command in COMMANDS], (["convert"], 2), (["frobnicate"], 2)],
+    ids=["help", *[f"{command}-help" for command in COMMANDS], "missing-arguments", "unknown-command"],
+)
+def test_help_and_usage_errors_never_import_torch(argv, status):
+    result = run_probe(argv)
+    assert result.returncode == status, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]", "torch or transformers was imported"
+    if status:
+        assert len(result.stderr.splitlines()) == 1 and "(see attnres" in result.stderr, result.stderr
+
+
+def test_text_file_is_read_for_convert_demo_and_inspect(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("Sein oder Nichtsein, das ist hier die Frage.", encoding="utf-8")
+    parser = build_parser()
+    for argv in (["convert", "SRC", "DST"], ["demo"], ["inspect", "MODEL"]):
+        assert parser.parse_args([*argv, "--text-file", str(text)]).text == text.read_text(encoding="utf-8")
+    assert parser.parse_args(["inspect", "MODEL", "--text", "literal"]).text == "literal"
+
+
+@pytest.fixture
+def tokenizerless_llama(tmp_path, monkeypatch) -> Path:
+    """A tiny random Llama saved without a tokenizer, and two stand-in plays so the demo's retrofit could run."""
+    folder = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(**TINY_SHAPE)).save_pretrained(folder)
+    plays = tmp_path / "plays"
+    plays.mkdir()
+    for play in ("hamlet", "macbeth"):
+        (plays / f"{play}_gut.txt").write_text("To be, or not to be. " * 50, encoding="utf-8")
+    monkeypatch.setenv("ATTNRES_SHAKESPEARE_DIR", str(plays))
+    return folder
+
+
+def test_demo_on_a_checkpoint_without_tokenizer_keeps_its_output(tokenizerless_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["demo", str(tokenizerless_llama), "--block-size", "2", "--retrofit-steps", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "result               PASS" in out and "no tokenizer, so the retrofit step" in out
+    model = tmp_path / "attnres-demo" / "model"  # the default --output, in the current folder
+    assert json.loads((model / "config.json").read_text())["model_type"] == "attnres"
+    assert f"The AttnRes model is in {Path('attnres-demo', 'model')}" in out
+
+    # A second run replaces the demo's own model; a folder the demo did not write is never replaced.
+    assert main(argv) == 0
+    capsys.readouterr()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    assert main(argv) == 2
+    assert "not an AttnRes model the demo can replace" in capsys.readouterr().err
+    assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
