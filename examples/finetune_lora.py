@@ -1,7 +1,7 @@
 """The retrofit recipe: convert a PreNorm checkpoint to AttnRes, then teach it depth routing with LoRA.
 
 A converted checkpoint starts at uniform depth attention, which computes exactly what the source computed
-(README, "Converting"). Training then moves the pseudo-queries and key norms away from uniform, alone
+(docs/conversion.md). Training then moves the pseudo-queries and key norms away from uniform, alone
 (`--recipe depth`, 70k parameters for SmolLM2-135M, every pretrained weight frozen) or together with LoRA adapters
 on the attention and MLP projections (`--recipe lora`). The run uses `AttnResTrainer`, so it scales like any
 Trainer run (bf16, activation checkpointing, `accelerate launch` with the configs in examples/accelerate/).

@@ -116,7 +116,7 @@ def test_trainer_checkpoint_resume_matches_uninterrupted(tmp_path):
 
 
 # MoE with reentrant checkpointing is left out: its load-balancing loss sends no gradient to the routers (the router
-# logits are captured by hooks during the no-grad recompute), a known limitation documented in the README.
+# logits are captured by hooks during the no-grad recompute), a known limitation documented in docs/training.md.
 @pytest.mark.parametrize("kind, use_reentrant", [("dense", False), ("dense", True), ("moe", False)])
 def test_trainer_activation_checkpointing_gives_the_same_training(tmp_path, kind, use_reentrant):
     config = tiny_config(**(MOE if kind == "moe" else {}))
@@ -141,7 +141,7 @@ def test_trainer_activation_checkpointing_gives_the_same_training(tmp_path, kind
 
 
 def expected_no_decay(num_layers: int, biases: bool) -> set[str]:
-    """Written out by hand from the README's parameter table, independently of the helper's rule."""
+    """Written out by hand from the parameter table in docs/configuration.md, independently of the helper's rule."""
     output_query = "model.output_residual.query"
     names = {"model.norm.weight", f"{output_query}.pseudo_query", f"{output_query}.key_norm_weight"}
     for i in range(num_layers):

@@ -1,6 +1,6 @@
 """The paper's downstream numbers (Kimi Team, "Attention Residuals", arXiv:2603.15031, its downstream results table).
 
-This is the only place the published numbers live: the report, the chart and the README table all read them from
+This is the only place the published numbers live: the report, the chart and the table in docs/evaluation.md all read them from
 here. Keys are the benchmark names the task YAMLs carry as `group_alias`, so a row of the table is matched to its
 paper numbers by name.
 """
