@@ -167,6 +167,12 @@ def _check_hub_reachable(name: str, repo_id: str, filename: str, revision: str |
         )
 
 
+def _check_output_folder(name: str, folder: Path) -> None:
+    """Refuse an output folder that cannot be created because a file has its name, before the work it would hold."""
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{name}={str(folder)!r}: a file, not a folder")
+
+
 def _first_line(error: BaseException) -> str:
     message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     return message.strip().splitlines()[0] if message.strip() else type(error).__name__
@@ -304,6 +310,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     destination = args.output / "model"
     _check_demo_output(args.output, destination)
     plot = args.plot if args.plot is not None else args.output / "depth-attention.png"
+    if plot.is_dir():
+        raise IsADirectoryError(f"--plot={str(plot)!r}: a folder, not a PNG file")
 
     from attnres.conversion import VerificationError, convert
 
@@ -346,8 +354,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _check_demo_output(output: Path, destination: Path) -> None:
     """The demo replaces `output/model` on each run, but never a folder it did not write."""
-    if output.exists() and not output.is_dir():
-        raise FileExistsError(f"--output={str(output)!r} is a file, not a folder")
+    _check_output_folder("--output", output)
     if not destination.exists():
         return
     config = destination / "config.json"
@@ -435,6 +442,7 @@ def _eval_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    _check_output_folder("--output-dir", args.output_dir)
     for folder in args.include_path:
         if not folder.expanduser().is_dir():
             raise FileNotFoundError(f"--include-path={str(folder)!r}: no such folder")
@@ -521,6 +529,7 @@ def _inspect_command(subparsers: argparse._SubParsersAction) -> None:
 def _run_inspect(args: argparse.Namespace) -> int:
     for model in args.models:
         _check_model("MODEL", model, "folder", hub=True)
+    _check_output_folder("--output-dir", args.output_dir)
     if args.labels is not None and len(args.labels) != len(args.models):
         raise ValueError(
             f"--labels={args.labels!r}: {len(args.labels)} names for {len(args.models)} models, give one per MODEL"

@@ -61,6 +61,7 @@ CASES = [
     case("demo-model-missing", ["demo", "./nope"], "MODEL='./nope'", "no such file"),
     case("demo-gguf-not-gguf", ["demo", "x.gguf"], "MODEL='x.gguf'", "not a GGUF file"),
     case("demo-output-is-a-file", ["demo", "good", "--output", "notes.txt"], "--output='notes.txt'", "not a folder"),
+    case("demo-plot-is-a-folder", ["demo", "good", "--plot", "empty"], "--plot='empty'", "not a PNG file"),
     case("demo-text-file-missing", ["demo", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"),
     case(
         "demo-plays-missing",
@@ -85,6 +86,12 @@ CASES = [
         "--include-path='nope'",
         "no such folder",
     ),
+    case(
+        "eval-output-dir-is-a-file",
+        ["eval", "good", "--output-dir", "notes.txt"],
+        "--output-dir='notes.txt'",
+        "a file",
+    ),
     # inspect: every model is checked before the first is loaded
     case("inspect-model-missing", ["inspect", "/missing", "--text", "hi"], "MODEL='/missing'", "no such folder"),
     case(
@@ -106,6 +113,12 @@ CASES = [
     ),
     case("inspect-max-tokens-0", ["inspect", "good", "--text", "hi", "--max-tokens", "0"], "--max-tokens", "'0'"),
     case("inspect-labels-count", ["inspect", "good", "good", "--text", "hi", "--labels", "one"], "--labels", "1", "2"),
+    case(
+        "inspect-output-dir-is-a-file",
+        ["inspect", "good", "--text", "hi", "--output-dir", "notes.txt"],
+        "--output-dir='notes.txt'",
+        "a file",
+    ),
     # serve, and the command itself
     case("serve-model-missing", ["serve", "./nope"], "MODEL='./nope'", "no such folder"),
     case("serve-folder-without-config", ["serve", "empty"], "MODEL='empty'", "config.json"),
