@@ -3,6 +3,7 @@ softmax attention over depth (Kimi Team, "Attention Residuals", arXiv:2603.15031
 
 import math
 
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -20,6 +21,27 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
     "AutoModelForSequenceClassification": "modeling_attnres.AttnResForSequenceClassification",
 }
+_BOOL_FIELDS = (
+    "use_cache",
+    "tie_word_embeddings",
+    "attention_bias",
+    "qkv_bias",
+    "mlp_bias",
+    "output_router_logits",
+    "exact_retrofit",
+)
+_POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "depth_window",
+    "dwa_dilation",
+    "dwa_period",
+    "sinkhorn_iterations",
+)
 TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
 # Tensor- and expert-parallel plans of the shared weights: Llama's for attention and the dense MLP, Mixtral's for
 # the experts.
@@ -154,7 +176,16 @@ class AttnResConfig(PreTrainedConfig):
     sinkhorn_iterations: int = 20
 
     def __post_init__(self, **kwargs):
+        # The defaults below are derived from these, so they are checked first.
+        for field in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
+            self._check_positive_int(field)
         if self.head_dim is None:
+            if self.hidden_size % (2 * self.num_attention_heads):
+                self._fail(
+                    "hidden_size",
+                    f"a multiple of 2 * num_attention_heads = {2 * self.num_attention_heads} (head_dim = hidden_size / "
+                    "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim",
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -162,6 +193,19 @@ class AttnResConfig(PreTrainedConfig):
             self.block_size = math.ceil(self.num_sublayers / TARGET_NUM_BLOCKS)
         super().__post_init__(**kwargs)
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
+        self._check_fields()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """Transformers sets the keyword overrides of `from_pretrained` after `__init__`, so they are checked here."""
+        loaded = super().from_dict(config_dict, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded)._check_fields()
+        return loaded
+
+    def validate(self) -> None:
+        """Transformers' checks, then AttnRes's; `save_pretrained` runs it, so a field set to a bad value after
+        `__init__` is never saved."""
+        super().validate()
         self._check_fields()
 
     @property
@@ -190,47 +234,67 @@ class AttnResConfig(PreTrainedConfig):
         """Mixtral's expert-parallel plan for an MoE config; a dense config has no experts to place."""
         return MOE_EP_PLAN if self.is_moe else None
 
-    def _check_fields(self) -> None:
-        def fail(field: str, allowed: str) -> None:
-            raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r} is invalid: allowed values are {allowed}.")
+    def _fail(self, field: str, allowed: str) -> None:
+        raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r}: must be {allowed}")
 
+    def _check_positive_int(self, field: str) -> None:
+        if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+            self._fail(field, "a positive integer")
+
+    def _check_int_range(self, field: str, low: int, high: float, allowed: str) -> None:
+        if not _is_int(getattr(self, field)) or not low <= getattr(self, field) <= high:
+            self._fail(field, allowed)
+
+    def _check_number(self, field: str, low: float, high: float = math.inf) -> None:
+        value = getattr(self, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            self._fail(field, f"a number >= {low}" if high == math.inf else f"a probability in [{low}, {high}]")
+
+    def _check_fields(self) -> None:
+        """Every field with a domain; a bad one raises a one-line `ValueError` naming it, its value and what is
+        allowed."""
+        for field in _BOOL_FIELDS:
+            if not isinstance(getattr(self, field), bool):
+                self._fail(field, "a bool (True or False)")
+        for field in _POSITIVE_INT_FIELDS:
+            self._check_positive_int(field)
+        for field in ("initializer_range", "rms_norm_eps", "router_aux_loss_coef", "router_jitter_noise"):
+            self._check_number(field, 0)
+        self._check_number("attention_dropout", 0, 1)
         if self.residual_mode not in RESIDUAL_MODES + COMPARISON_MODES:
-            fail("residual_mode", " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
+            self._fail("residual_mode", "one of " + " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
         if self.depth_kernel not in ("auto", "reference"):
-            fail("depth_kernel", "'auto' | 'reference'")
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                fail(field, "a positive integer")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= self.num_sublayers:
-            fail("block_size", f"an integer from 1 to 2 * num_hidden_layers = {self.num_sublayers} (sublayers)")
-        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
-            fail("num_key_value_heads", f"a positive divisor of num_attention_heads = {self.num_attention_heads}")
-        if self.head_dim < 2 or self.head_dim % 2 != 0:
-            fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
-        if self.rms_norm_eps < 0:
-            fail("rms_norm_eps", "a number >= 0")
-        if not 0.0 <= self.attention_dropout <= 1.0:
-            fail("attention_dropout", "a probability in [0, 1]")
-        if self.num_local_experts < 0:
-            fail("num_local_experts", "0 (dense MLP) or a positive number of experts")
-        if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            fail("num_experts_per_tok", f"an integer from 1 to num_local_experts = {self.num_local_experts}")
-        if self.router_jitter_noise < 0:
-            fail("router_jitter_noise", "a number >= 0")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            fail("sliding_window", "None or a positive integer")
+            self._fail("depth_kernel", "'auto' | 'reference'")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            self._fail("hidden_act", "the name of a Transformers activation, e.g. 'silu' or 'gelu'")
+        sublayers = self.num_sublayers
+        self._check_int_range("block_size", 1, sublayers, f"an integer from 1 to 2 * num_hidden_layers = {sublayers}")
+        heads = self.num_attention_heads
+        self._check_int_range("num_key_value_heads", 1, heads, f"a positive divisor of num_attention_heads = {heads}")
+        if heads % self.num_key_value_heads:
+            self._fail("num_key_value_heads", f"a positive divisor of num_attention_heads = {heads}")
+        if not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
+            self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
+        self._check_int_range("num_local_experts", 0, math.inf, "0 (a dense MLP) or a positive number of experts")
+        if self.is_moe:
+            experts = self.num_local_experts
+            allowed = f"an integer from 1 to num_local_experts = {experts}"
+            self._check_int_range("num_experts_per_tok", 1, experts, allowed)
+        if self.sliding_window is not None:
+            self._check_int_range("sliding_window", 1, math.inf, "None or a positive integer")
         if self.depth_ablation is not None and (
             self.depth_ablation not in DEPTH_ABLATIONS or self.residual_mode not in ("full", "block")
         ):
             allowed = " | ".join(repr(a) for a in DEPTH_ABLATIONS)
-            fail("depth_ablation", f"None, or with residual_mode 'full' or 'block' one of {allowed}")
-        for field in ("depth_window", "dwa_dilation", "dwa_period", "sinkhorn_iterations"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                fail(field, "a positive integer")
-        if not isinstance(self.depth_heads, int) or self.depth_heads < 1 or self.hidden_size % self.depth_heads:
-            fail("depth_heads", f"a positive divisor of hidden_size = {self.hidden_size}")
-        if not isinstance(self.hc_streams, int) or self.hc_streams < 2:
-            fail("hc_streams", "an integer >= 2 (one stream is the plain residual)")
+            self._fail("depth_ablation", f"None, or with residual_mode 'full' or 'block' one of {allowed}")
+        if not _is_int(self.depth_heads) or self.depth_heads < 1 or self.hidden_size % self.depth_heads:
+            self._fail("depth_heads", f"a positive divisor of hidden_size = {self.hidden_size}")
+        self._check_int_range("hc_streams", 2, math.inf, "an integer >= 2 (one stream is the plain residual)")
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool: Python counts `True` as the int 1, never a size."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 AttnResConfig.register_for_auto_class()

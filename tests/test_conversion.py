@@ -279,7 +279,7 @@ def test_overwrite_replaces_destination(tmp_path):
 def test_destination_overlapping_source_is_refused(tmp_path):
     source, _ = tiny_source(tmp_path, LlamaConfig, LlamaForCausalLM)
     for destination in (source, source / "inside", tmp_path):
-        with pytest.raises(ConversionError, match="overlaps SRC"):
+        with pytest.raises(ConversionError, match="overlaps source="):
             convert(source, destination, overwrite=True, verify=False, progress=False)
     assert (source / "model.safetensors").is_file()
 
@@ -467,7 +467,7 @@ def test_hub_id_downloads_safetensors_only(tmp_path, monkeypatch):
         lambda repo_id, revision=None: ["model.safetensors", "consolidated.safetensors", "config.json", "model.bin"],
     )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, revision=None: str(source / filename))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, name, revision=None: str(source / name))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     report = convert("someone/tiny-llama", tmp_path / "out", revision="v1", verify=False, progress=False)
     assert report.source == "someone/tiny-llama"

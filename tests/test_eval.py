@@ -155,7 +155,7 @@ def test_benchmark_resolves_to_lm_eval_tasks_whose_configs_parse(benchmark, full
             assert _defines_function(path.parent, reference), (path, reference)
 
 
-def test_code_execution_requires_opt_in(full_manager):
+def test_code_execution_requires_opt_in(full_manager, tmp_path):
     humaneval, mbpp = resolve_benchmarks(["attnres_paper_humaneval", "attnres_paper_mbpp"])
     for benchmark in (humaneval, mbpp):
         with pytest.raises(CodeExecutionNotAllowedError, match="--allow-code-execution"):
@@ -163,9 +163,10 @@ def test_code_execution_requires_opt_in(full_manager):
         check_requirements(benchmark, full_manager, allow_code_execution=True)
     (arc,) = resolve_benchmarks(["attnres_paper_arc_challenge"])
     check_requirements(arc, full_manager, allow_code_execution=False)
-    # evaluate() refuses before it loads any model (the model path does not exist).
+    # evaluate() refuses before it loads any model (the folder holds only an empty config).
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CodeExecutionNotAllowedError):
-        evaluate("no/such/model", tasks=["attnres_paper_humaneval"])
+        evaluate(tmp_path, tasks=["attnres_paper_humaneval"])
 
 
 def test_missing_optional_extra_names_the_extra(full_manager):

@@ -7,7 +7,7 @@
 See `convert` for the options and `verify_conversion` for what the proof checks.
 """
 
-from .architectures import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ConversionError
+from .architectures import REFUSED_MODEL_TYPES, SUPPORTED_ARCHITECTURES, ConversionError
 from .converter import ConversionReport, convert
 from .verify import GenerationComparison, Tolerance, VerificationError, VerificationReport, verify_conversion
 
@@ -16,7 +16,7 @@ __all__ = [
     "ConversionError",
     "ConversionReport",
     "GenerationComparison",
-    "REFUSED_ARCHITECTURES",
+    "REFUSED_MODEL_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "Tolerance",
     "VerificationError",

@@ -69,20 +69,14 @@ SUPPORTED_ARCHITECTURES = {
     )
 }
 
-# Architectures whose residual layout has no exact AttnRes counterpart, with the reason given to the user.
+# Model types whose residual layout has no exact AttnRes counterpart, with the reason given to the user; keyed by
+# model type so that every head of a family (BertForMaskedLM as much as BertLMHeadModel) gets the reason.
 _POST_NORM = "post-norm sublayers (a norm after the sublayer output), so the residual stream is not a plain sum"
 _PARALLEL = "a parallel residual (attention and MLP read the same input), which has no sublayer order to attend over"
-REFUSED_ARCHITECTURES = {
-    "Olmo2ForCausalLM": _POST_NORM,
-    "Olmo3ForCausalLM": _POST_NORM,
-    "Gemma2ForCausalLM": _POST_NORM,
-    "Gemma3ForCausalLM": _POST_NORM,
-    "Gemma3ForConditionalGeneration": _POST_NORM,
-    "BertLMHeadModel": _POST_NORM,
-    "GPTJForCausalLM": _PARALLEL,
-    "PhiForCausalLM": _PARALLEL,
-    "CohereForCausalLM": _PARALLEL,
-    "Cohere2ForCausalLM": _PARALLEL,
+REFUSED_MODEL_TYPES = {
+    **dict.fromkeys(("olmo2", "olmo3", "gemma2", "gemma3", "gemma3_text"), _POST_NORM),
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "distilbert", "electra"), _POST_NORM),
+    **dict.fromkeys(("gptj", "phi", "cohere", "cohere2"), _PARALLEL),
 }
 
 
@@ -101,14 +95,20 @@ def source_architecture(config: PreTrainedConfig) -> SourceArchitecture:
     name = architectures[0]
     if getattr(config, "use_parallel_residual", False) or getattr(config, "parallel_attn", False):
         raise ConversionError(f"{name} uses {_PARALLEL}; AttnRes conversion is exact only for PreNorm decoders.")
-    if name in REFUSED_ARCHITECTURES:
+    if config.model_type in REFUSED_MODEL_TYPES:
         raise ConversionError(
-            f"{name} uses {REFUSED_ARCHITECTURES[name]}; AttnRes conversion is exact only for PreNorm decoders "
-            f"(supported: {_supported_list()})."
+            f"{name} uses {REFUSED_MODEL_TYPES[config.model_type]}; AttnRes conversion is exact only for PreNorm "
+            f"decoders (supported: {_supported_list()})."
         )
     if name not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(f"Unsupported architecture {name}. Supported: {_supported_list()}.")
     return SUPPORTED_ARCHITECTURES[name]
+
+
+def block_size_rule(sublayers: int | None = None) -> str:
+    """What a conversion's block size may be; `sublayers` is the source's number, once its config is read."""
+    bound = "2 * num_hidden_layers" + (f" = {sublayers}" if sublayers is not None else "")
+    return f"an integer from 1 to {bound}, the source's number of sublayers"
 
 
 def attnres_config(
@@ -120,6 +120,9 @@ def attnres_config(
 ) -> AttnResConfig:
     """The `AttnResConfig` computing what `source` computes (its fields copied verbatim) with the chosen residual."""
     arch = source_architecture(source)
+    sublayers = 2 * source.num_hidden_layers
+    if block_size is not None and not 1 <= block_size <= sublayers:
+        raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule(sublayers)}")
     fields = {name: getattr(source, name) for name in (*_COMMON_FIELDS, *arch.fields) if hasattr(source, name)}
     if arch.qkv_bias:
         fields.update(_qwen2_attention_fields(source))

@@ -24,16 +24,18 @@ from transformers import AutoConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_attnres import RESIDUAL_MODES, AttnResConfig
+from ..inputs import ModelSource, check_model_source, check_positive_int
 from ..modeling_attnres import AttnResForCausalLM
 from .architectures import (
     ConversionError,
     TensorRenamer,
     attnres_config,
+    block_size_rule,
     initial_depth_parameter,
     is_depth_parameter,
     source_architecture,
 )
-from .sources import SAFETENSORS_INDEX, LocalSource, copy_carried_files, resolve_source
+from .sources import SAFETENSORS_INDEX, LocalSource, copy_carried_files, resolve_source, source_config
 from .verify import DEFAULT_TEXT_TOKENS, Tolerance, VerificationError, VerificationReport, verify_conversion
 
 
@@ -121,16 +123,29 @@ def convert(
         The `ConversionReport` (with its `VerificationReport` when `verify`).
 
     Raises:
-        ConversionError: the source cannot be converted or the paths are unsafe; nothing is written.
+        FileNotFoundError: SRC, its config.json or `gguf_file` does not exist; nothing is written.
+        ConversionError: a bad option, or a source that cannot be converted, or an unsafe DST; nothing is written.
+            Everything that needs no weights is checked before any is read.
         VerificationError: the result does not match its source; nothing is written. `error.report` holds the
             `ConversionReport`.
     """
     started = time.perf_counter()
-    if mode not in RESIDUAL_MODES:
-        raise ConversionError(f"mode={mode!r} is invalid: use one of {', '.join(RESIDUAL_MODES)}.")
-    dtype = _as_dtype(dtype)
-    destination = Path(destination).expanduser().resolve()
-    _check_destination(source, destination, overwrite)
+    located, destination = _check_arguments(
+        source,
+        destination,
+        mode=mode,
+        block_size=block_size,
+        overwrite=overwrite,
+        gguf_file=gguf_file,
+        revision=revision,
+        text=text,
+        max_text_tokens=max_text_tokens,
+    )
+    dtype = _as_dtype("dtype", dtype)
+    verify_dtype = _as_dtype("verify_dtype", verify_dtype)
+    preflight = source_config(located, revision)
+    if preflight is not None:  # the architecture and the block size, before any weight is read
+        attnres_config(preflight, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
     destination.parent.mkdir(parents=True, exist_ok=True)
 
     work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
@@ -138,10 +153,10 @@ def convert(
         staging, output = work / "source", work / "converted"
         staging.mkdir()
         output.mkdir()
-        resolved = resolve_source(source, staging=staging, gguf_file=gguf_file, revision=revision)
-        source_config = AutoConfig.from_pretrained(resolved.folder)
-        architecture = source_architecture(source_config).name
-        config = attnres_config(source_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
+        resolved = resolve_source(located, staging=staging, description=str(source), revision=revision)
+        original_config = AutoConfig.from_pretrained(resolved.folder)
+        architecture = source_architecture(original_config).name
+        config = attnres_config(original_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
         num_tensors, num_shards, depth_parameters, model_dtype = write_weights(
             resolved, config, output, dtype=dtype, progress=progress
         )
@@ -279,27 +294,59 @@ def _name_shards(parts: list[tuple[Path, list[str], int]], output: Path) -> None
     (output / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+def _check_arguments(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    mode: str,
+    block_size: int | None,
+    overwrite: bool,
+    gguf_file: str | None,
+    revision: str | None,
+    text: str | None,
+    max_text_tokens: int,
+) -> tuple[ModelSource, Path]:
+    """Every check that needs no model: the options, SRC's existence and kind, and DST's safety. Returns where SRC
+    is and DST as an absolute path."""
+    if mode not in RESIDUAL_MODES:
+        raise ConversionError(f"mode={mode!r}: must be one of {', '.join(map(repr, RESIDUAL_MODES))}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule()}")
+    if text is not None and not text.strip():
+        raise ConversionError(f"text={text!r}: must be a non-empty text (None uses the built-in passage)")
+    try:
+        check_positive_int("max_text_tokens", max_text_tokens, minimum=2, why="the perplexity needs two tokens")
+        located = check_model_source("source", source, gguf_file=gguf_file, revision=revision)
+    except ValueError as error:
+        raise ConversionError(*error.args) from None
+    destination = Path(destination).expanduser().resolve()
+    _check_destination(source, destination, overwrite)
+    return located, destination
+
+
+def _as_dtype(name: str, dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ConversionError(f"dtype={dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float32).")
+        raise ConversionError(f"{name}={dtype!r}: must be a floating-point torch dtype, e.g. 'bfloat16' or 'float32'")
     return resolved
 
 
 def _check_destination(source: str | os.PathLike, destination: Path, overwrite: bool) -> None:
     """Refuse an existing DST (unless `overwrite`) and any DST that would write into or replace SRC."""
+    shown = f"destination={str(destination)!r}"
     source_path = Path(source).expanduser()
     if source_path.exists():
         source_path = source_path.resolve()
         if destination == source_path or destination in source_path.parents or source_path in destination.parents:
-            raise ConversionError(f"DST {destination} overlaps SRC {source_path}; the source is never modified.")
+            overlapped = f"source={str(source_path)!r}"
+            raise ConversionError(f"{shown}: overlaps {overlapped}; conversion never modifies its source")
     if destination.exists() or destination.is_symlink():
         if not overwrite:
-            raise ConversionError(f"DST {destination} already exists; pass overwrite=True (--overwrite) to replace it.")
+            raise ConversionError(f"{shown}: already exists; pass overwrite=True (--overwrite) to replace it")
         if not destination.is_dir() or destination.is_symlink():
-            raise ConversionError(f"DST {destination} exists and is not a folder; refusing to replace it.")
+            raise ConversionError(f"{shown}: exists and is not a folder; refusing to replace it")
 
 
 def _publish(output: Path, destination: Path, work: Path) -> None:

@@ -6,8 +6,8 @@ that is saved as safetensors into a staging folder first. Pickle checkpoints (`.
 unpickling runs arbitrary code.
 """
 
+import importlib.util
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..inputs import ModelSource
 from .architectures import ConversionError
 
 
@@ -25,7 +28,6 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # for another architecture). Everything else at the top level (tokenizer, chat template, generation config, model
 # card, license) is copied unchanged.
 _NOT_CARRIED = re.compile(r"(\.safetensors|\.index\.json|\.gguf|\.py|\.msgpack|\.h5|\.onnx)$|^config\.json$")
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _HUB_PATTERNS = [
     "*.safetensors",
     "*.json",
@@ -74,32 +76,41 @@ class LocalSource:
         )
 
 
-def resolve_source(
-    source: str | os.PathLike, *, staging: Path, gguf_file: str | None = None, revision: str | None = None
-) -> LocalSource:
+def source_config(source: ModelSource, revision: str | None = None) -> PreTrainedConfig | None:
+    """The source's config, read without its weights, so that an unconvertible source fails before they load.
+
+    A GGUF file's metadata holds the config but names no model class; it is the causal LM of its model type, the class
+    `materialize_gguf` loads. Returns None for a GGUF file in a Hub repository, whose metadata comes only with the
+    whole download.
+    """
+    from huggingface_hub import hf_hub_download
+
+    if source.kind == "folder":
+        return AutoConfig.from_pretrained(source.location)
+    if source.kind == "gguf":
+        _require_gguf_package()
+        config = AutoConfig.from_pretrained(source.location, gguf_file=source.gguf_file)
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        return config
+    if source.gguf_file is not None:
+        return None
+    return AutoConfig.from_pretrained(Path(hf_hub_download(source.location, "config.json", revision=revision)).parent)
+
+
+def resolve_source(source: ModelSource, *, staging: Path, description: str, revision: str | None = None) -> LocalSource:
     """Turn SRC into a local folder, downloading from the Hub or dequantising a GGUF file into `staging` if needed.
 
     Args:
-        source: a local Transformers folder, a local `.gguf` file, or a Hub repository id.
+        source: where SRC is, as `attnres.inputs.check_model_source` found it.
         staging: an empty scratch folder the caller deletes; GGUF sources are materialised there.
-        gguf_file: the GGUF file's name inside a Hub repository or local folder, for GGUF sources given that way.
+        description: what the report calls SRC (the user's spelling of it).
         revision: Hub revision (branch, tag or commit) for Hub ids.
     """
-    description = str(source)
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return materialize_gguf(path.parent, path.name, staging, description)
-    if path.is_dir():
-        if gguf_file is not None:
-            return materialize_gguf(path, gguf_file, staging, description)
-        if not (path / "config.json").is_file():
-            raise ConversionError(f"{description} is a folder without config.json: not a Transformers checkpoint.")
-        return LocalSource(path, description)
-    if path.exists():
-        raise ConversionError(f"{description} is neither a model folder nor a .gguf file.")
-    if not _HUB_ID.match(str(source)):
-        raise ConversionError(f"{description} does not exist locally and is not a Hub repository id (owner/name).")
-    return _download(str(source), staging, gguf_file, revision)
+    if source.kind == "folder":
+        return LocalSource(source.path, description)
+    if source.kind == "gguf":
+        return materialize_gguf(source.path, source.gguf_file, staging, description)
+    return _download(source.location, staging, source.gguf_file, revision)
 
 
 def _download(repo_id: str, staging: Path, gguf_file: str | None, revision: str | None) -> LocalSource:
@@ -130,10 +141,7 @@ def materialize_gguf(folder: Path, gguf_file: str, staging: Path, description: s
     The dequantised weights are what any Transformers user of the GGUF file computes with, so converting them is
     converting the GGUF model. They come out in float32.
     """
-    try:
-        import gguf  # noqa: F401  (Transformers needs it to read GGUF files)
-    except ImportError as error:
-        raise ConversionError("Reading GGUF files needs the `gguf` package: pip install 'attnres[convert]'.") from error
+    _require_gguf_package()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
@@ -150,6 +158,11 @@ def materialize_gguf(folder: Path, gguf_file: str, staging: Path, description: s
     del model, state_dict
     AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file).save_pretrained(staging)
     return LocalSource(staging, description)
+
+
+def _require_gguf_package() -> None:
+    if importlib.util.find_spec("gguf") is None:  # Transformers reads GGUF files with it
+        raise ConversionError("Reading GGUF files needs the `gguf` package: pip install 'attnres[convert]'.")
 
 
 def copy_carried_files(source: LocalSource, destination: Path) -> list[str]:

@@ -15,6 +15,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.utils import handle_non_serializable
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..inputs import ModelSource, check_model_source
 from .paper import PAPER_MODEL
 from .report import TableRow, build_rows, plot_bar_chart, render_markdown_table, render_settings
 from .suite import (
@@ -61,7 +62,7 @@ def evaluate(
     results_baseline.json, table.md, chart.png}`.
 
     Args:
-        model: the AttnRes model: a local folder (or `.gguf` file), a loaded `PreTrainedModel` (then give
+        model: the AttnRes model: a local folder, a `.gguf` file, a Hub id, a loaded `PreTrainedModel` (then give
             `tokenizer`), or any lm-eval `LM`.
         baseline: the model to compare against, in the same forms; its column stays empty when omitted.
         tasks: suite or benchmark names (`attnres_paper`, `attnres_smoke`, `attnres_paper_gsm8k`, ...); defaults to
@@ -79,9 +80,16 @@ def evaluate(
             (the way to point a task at a local dataset copy).
 
     Raises:
+        FileNotFoundError, ValueError: before any work, for a model path that does not exist or is not a model, or a
+            bad `limit` or `batch_size`.
         CodeExecutionNotAllowedError, MissingExtraError: before any model work, when a benchmark cannot run.
         DatasetUnavailableError: when a benchmark's dataset cannot be loaded; the message says how to supply it.
     """
+    _check_model_spec("model", model)
+    if baseline is not None:
+        _check_model_spec("baseline", baseline)
+    _check_limit(limit)
+    _check_batch_size(batch_size)
     include_paths = tuple(str(path) for path in include_path)
     benchmarks = resolve_benchmarks(tasks, include_paths)
     manager = task_manager(include_paths, include_defaults=needs_lm_eval_tasks(benchmarks, include_paths))
@@ -143,20 +151,48 @@ def as_lm(
     as `AutoModelForCausalLM.from_pretrained` reads it (with AttnRes registered by importing this package), without
     HFLM's Hub-oriented defaults (revision, remote code).
     """
+    source = _check_model_spec("spec", spec)
     if isinstance(spec, LM):
         return spec
-    if not isinstance(spec, PreTrainedModel):
-        path = Path(spec)
-        folder, gguf = (path.parent, {"gguf_file": path.name}) if path.suffix == ".gguf" else (path, {})
-        spec = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **gguf)
+    if source is not None:
+        gguf = {"gguf_file": source.gguf_file} if source.gguf_file is not None else {}
+        spec = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **gguf)
         spec.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
+            tokenizer = AutoTokenizer.from_pretrained(source.location, **gguf)
     if tokenizer is None:
         tokenizer = spec.name_or_path
     if isinstance(tokenizer, str):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     return HFLM(pretrained=spec, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+
+
+def _check_model_spec(name: str, spec: ModelSpec) -> ModelSource | None:
+    """Where a model given by path is (None for a loaded model or an `LM`); fails for anything else."""
+    if isinstance(spec, (PreTrainedModel, LM)):
+        return None
+    if not isinstance(spec, (str, os.PathLike)):
+        allowed = "a model folder, a .gguf file, a Hub id, a PreTrainedModel or an lm-eval LM"
+        raise ValueError(f"{name}={spec!r}: must be {allowed}")
+    return check_model_source(name, spec)
+
+
+def _check_limit(limit: int | float | None) -> None:
+    whole = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1
+    fraction = isinstance(limit, float) and 0 < limit < 1
+    if limit is not None and not (whole or fraction):
+        raise ValueError(f"limit={limit!r}: must be None, a positive number of examples, or a fraction in (0, 1)")
+
+
+def _check_batch_size(batch_size: int | str) -> None:
+    """lm-eval's batch sizes: a positive integer, `"auto"`, or `"auto:N"` (search N times)."""
+    if isinstance(batch_size, str) and batch_size.startswith("auto"):
+        times = batch_size.removeprefix("auto")
+        if times == "" or (times.startswith(":") and times[1:].isdigit() and int(times[1:]) > 0):
+            return
+    elif isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1:
+        return
+    raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, 'auto' or 'auto:N'")
 
 
 def _describe(spec: ModelSpec) -> str:

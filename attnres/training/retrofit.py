@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..inputs import check_positive_int
 from .data import token_windows
 from .depth import train_depth_only
 
@@ -113,6 +114,11 @@ def retrofit_depth(
         A `RetrofitReport`; the model is left trained, in eval mode.
     """
     started = time.perf_counter()
+    sizes = {"steps": steps, "seq_len": seq_len, "batch_size": batch_size, "eval_windows": eval_windows}
+    for name, size in sizes.items():
+        check_positive_int(name, size)
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"learning_rate={learning_rate!r}: must be a positive number")
     if depth_only:
         train_depth_only(model)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -249,6 +255,7 @@ def demo_retrofit(
 
     from .data import shakespeare_plays
 
+    check_positive_int("steps", steps)
     plays = shakespeare_plays([DEMO_TRAIN_PLAY, DEMO_EVAL_PLAY])
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
