@@ -2,8 +2,9 @@
 
 This module sits beside the `attnres` package rather than inside it: importing `attnres` registers the Auto classes,
 which imports torch and Transformers, seconds that `attnres --help` or a mistyped option should not cost. So every
-subcommand's parser lives here, with the checks that need no model (ranges, paths, file signatures), and each
-handler imports `attnres` only once the arguments are known to be sound.
+subcommand's parser lives here, with the checks that need no import (value ranges, text files, output folders),
+and each handler imports `attnres` only once those pass. Model paths are checked by the API itself
+(`attnres.inputs`), once for every caller, before any model is loaded.
 
 Exit status: 0 success; 1 verification failed (nothing written); 2 invalid input, reported as one line on stderr
 before any expensive work.
@@ -30,7 +31,6 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_OUTPUT = Path("attnres-demo")
 EXIT_VERIFICATION_FAILED = 1
 EXIT_INVALID = 2
-GGUF_MAGIC = b"GGUF"
 # The files Transformers builds a tokenizer from; a checkpoint with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -106,65 +106,7 @@ def _text_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: {error.strerror}") from None
 
 
-# --- checks that need more than one value, run by the handlers before importing attnres ------------------------
-
-
-def _is_hub_id(text: str) -> bool:
-    """Whether `text` has the form of a Hub repository id with its owner (`owner/name`); `./model` has not."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if text.count("/") != 1 or text.endswith(".gguf"):
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _check_gguf(name: str, value: str, path: Path) -> None:
-    with path.open("rb") as file:
-        if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
-            raise ValueError(f"{name}={value!r}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
-
-
-def _check_model(
-    name: str, value: str, kind: str, *, hub: bool, gguf_file: str | None = None, revision: str | None = None
-) -> None:
-    """Refuse the model argument `name=value` if it is a missing local path (`kind` says what it should be), a folder
-    without config.json, a `.gguf` file that is not GGUF, or, when `hub` allows Hub ids, a Hub id that cannot be
-    reached: the Hub is offline and the repository is not cached."""
-    path = Path(value).expanduser()
-    if path.is_dir() and gguf_file is not None:
-        if not (path / gguf_file).is_file():
-            raise FileNotFoundError(f"--gguf-file={gguf_file!r}: no such file in {name}={value!r}")
-        _check_gguf("--gguf-file", gguf_file, path / gguf_file)
-    elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{name}={value!r}: a folder without config.json, not a Transformers checkpoint")
-    elif path.is_file() and path.suffix == ".gguf":
-        _check_gguf(name, value, path)
-    elif path.exists():
-        raise ValueError(f"{name}={value!r}: not a model folder or a .gguf file")
-    elif not (hub and _is_hub_id(value)):
-        raise FileNotFoundError(f"{name}={value!r}: no such {kind}")
-    else:
-        _check_hub_reachable(name, value, gguf_file or "config.json", revision)
-
-
-def _check_hub_reachable(name: str, repo_id: str, filename: str, revision: str | None) -> None:
-    from huggingface_hub.constants import HF_HUB_OFFLINE
-
-    if not HF_HUB_OFFLINE:
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    if not isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
-        raise FileNotFoundError(
-            f"{name}={repo_id!r}: not a local path, and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1) with no "
-            "cached copy"
-        )
+# --- checks the handlers run before importing attnres ------------------------------------------------------------
 
 
 def _check_output_folder(name: str, folder: Path) -> None:
@@ -236,10 +178,6 @@ def _convert_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    _check_model("SRC", args.source, "file or folder", hub=True, gguf_file=args.gguf_file, revision=args.revision)
-    if Path(args.destination).expanduser().exists() and not args.overwrite:
-        raise FileExistsError(f"DST={args.destination!r} exists: pass --overwrite to replace it")
-
     from attnres.conversion import VerificationError, convert
 
     try:
@@ -306,7 +244,6 @@ def _demo_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     model = args.model if args.model is not None else str(default_demo_model())
-    _check_model("MODEL", model, "file or folder", hub=True, gguf_file=args.gguf_file, revision=args.revision)
     destination = args.output / "model"
     _check_demo_output(args.output, destination)
     plot = args.plot if args.plot is not None else args.output / "depth-attention.png"
@@ -449,9 +386,6 @@ def _run_eval(args: argparse.Namespace) -> int:
     if not args.list_tasks:
         if args.model is None:
             raise ValueError("MODEL is required (only --list-tasks runs without one)")
-        for value, name in ((args.model, "MODEL"), (args.baseline, "--baseline")):
-            if value is not None:
-                _check_model(name, value, "folder or .gguf file", hub=False)
 
     from attnres.eval.suite import (
         PAPER_SUITE,
@@ -527,13 +461,7 @@ def _inspect_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    for model in args.models:
-        _check_model("MODEL", model, "folder", hub=True)
     _check_output_folder("--output-dir", args.output_dir)
-    if args.labels is not None and len(args.labels) != len(args.models):
-        raise ValueError(
-            f"--labels={args.labels!r}: {len(args.labels)} names for {len(args.models)} models, give one per MODEL"
-        )
 
     from attnres.analysis.inspection import inspect_models
 
@@ -567,9 +495,10 @@ def _serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    _check_model("MODEL", args.model, "folder", hub=True)
-
+    from attnres.inputs import check_model_source
     from attnres.serving import serve
+
+    check_model_source("MODEL", args.model, gguf=False)
 
     return serve([args.model, *args.options])
 

@@ -1,6 +1,7 @@
 """Every bad input to the `attnres` command line: exit status 2, one line on stderr that names the argument and its
-value, no traceback, nothing written, and, where no model is needed to tell, no torch imported (so it answers at
-once). The Python API's half of the table is tests/test_bad_input.py."""
+value, no traceback, nothing written, and, where the value alone tells (parsing: ranges, text files, output folders),
+no torch imported, so it answers at once; model paths are checked by the API (`attnres.inputs`) before any model is
+loaded. The Python API's half of the table is tests/test_bad_input.py."""
 
 import os
 
@@ -31,19 +32,51 @@ CASES = [
     case("mode-unknown", ["convert", "good", "out", "--mode", "diagonal"], "--mode", "'diagonal'"),
     case("dtype-unknown", ["convert", "good", "out", "--dtype", "int8"], "--dtype", "'int8'"),
     case("arguments-missing", ["convert"], "SRC", "DST"),
-    case("relative-path-missing", ["convert", "./does-not-exist", "out"], "SRC='./does-not-exist'", "no such file"),
-    case("name-missing", ["convert", "does-not-exist", "out"], "SRC='does-not-exist'", "no such file"),
-    case("hub-id-offline", ["convert", "someone/not-cached", "out"], "SRC='someone/not-cached'", "HF_HUB_OFFLINE=1"),
-    case("gguf-not-gguf", ["convert", "x.gguf", "out"], "SRC='x.gguf'", "not a GGUF file"),
+    case(
+        "relative-path-missing",
+        ["convert", "./does-not-exist", "out"],
+        "source='./does-not-exist'",
+        "no such file",
+        loads_torch=True,
+    ),
+    case(
+        "name-missing",
+        ["convert", "does-not-exist", "out"],
+        "source='does-not-exist'",
+        "no such file",
+        loads_torch=True,
+    ),
+    case(
+        "hub-id-offline",
+        ["convert", "someone/not-cached", "out"],
+        "source='someone/not-cached'",
+        "HF_HUB_OFFLINE=1",
+        loads_torch=True,
+    ),
+    case("gguf-not-gguf", ["convert", "x.gguf", "out"], "source='x.gguf'", "not a GGUF file", loads_torch=True),
     case(
         "gguf-file-missing",
         ["convert", "good", "out", "--gguf-file", "m.gguf"],
-        "--gguf-file='m.gguf'",
+        "gguf_file='m.gguf'",
         "no such file",
+        loads_torch=True,
     ),
-    case("folder-without-config", ["convert", "empty", "out"], "SRC='empty'", "config.json"),
-    case("file-not-a-model", ["convert", "notes.txt", "out"], "SRC='notes.txt'", "not a model folder"),
-    case("destination-exists", ["convert", "good", "exists"], "DST='exists'", "--overwrite"),
+    case("folder-without-config", ["convert", "empty", "out"], "source='empty'", "config.json", loads_torch=True),
+    case(
+        "file-not-a-model",
+        ["convert", "notes.txt", "out"],
+        "source='notes.txt'",
+        "not a model folder",
+        loads_torch=True,
+    ),
+    case(
+        "destination-exists",
+        ["convert", "good", "exists"],
+        "destination=",
+        "exists': already exists",
+        "--overwrite",
+        loads_torch=True,
+    ),
     case(
         "text-file-missing", ["convert", "good", "out", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"
     ),
@@ -58,8 +91,20 @@ CASES = [
     # demo
     case("demo-retrofit-steps-negative", ["demo", "--retrofit-steps", "-1"], "--retrofit-steps", "'-1'"),
     case("demo-block-size-0", ["demo", "--block-size", "0"], "--block-size", "'0'"),
-    case("demo-model-missing", ["demo", "./nope"], "MODEL='./nope'", "no such file"),
-    case("demo-gguf-not-gguf", ["demo", "x.gguf"], "MODEL='x.gguf'", "not a GGUF file"),
+    case(
+        "demo-model-missing",
+        ["demo", "./nope", "--retrofit-steps", "0"],
+        "source='./nope'",
+        "no such file",
+        loads_torch=True,
+    ),
+    case(
+        "demo-gguf-not-gguf",
+        ["demo", "x.gguf", "--retrofit-steps", "0"],
+        "source='x.gguf'",
+        "not a GGUF file",
+        loads_torch=True,
+    ),
     case("demo-output-is-a-file", ["demo", "good", "--output", "notes.txt"], "--output='notes.txt'", "not a folder"),
     case("demo-plot-is-a-folder", ["demo", "good", "--plot", "empty"], "--plot='empty'", "not a PNG file"),
     case("demo-text-file-missing", ["demo", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"),
@@ -71,10 +116,22 @@ CASES = [
         loads_torch=True,
     ),
     # eval
-    case("eval-model-missing", ["eval", "/missing"], "MODEL='/missing'", "no such folder"),
-    case("eval-model-hub-id", ["eval", "someone/model"], "MODEL='someone/model'", "no such folder"),
+    case("eval-model-missing", ["eval", "/missing"], "model='/missing'", "no such file or folder", loads_torch=True),
+    case(
+        "eval-model-hub-id-offline",
+        ["eval", "someone/model"],
+        "model='someone/model'",
+        "HF_HUB_OFFLINE=1",
+        loads_torch=True,
+    ),
     case("eval-model-absent", ["eval"], "MODEL", "--list-tasks"),
-    case("eval-baseline-missing", ["eval", "good", "--baseline", "./nope"], "--baseline='./nope'", "no such folder"),
+    case(
+        "eval-baseline-missing",
+        ["eval", "good", "--baseline", "./nope"],
+        "baseline='./nope'",
+        "no such file or folder",
+        loads_torch=True,
+    ),
     case("eval-limit-negative", ["eval", "good", "--limit", "-1"], "--limit", "'-1'"),
     case("eval-limit-0", ["eval", "good", "--limit", "0"], "--limit", "'0'"),
     case("eval-limit-fraction-above-1", ["eval", "good", "--limit", "1.5"], "--limit", "'1.5'"),
@@ -93,16 +150,33 @@ CASES = [
         "a file",
     ),
     # inspect: every model is checked before the first is loaded
-    case("inspect-model-missing", ["inspect", "/missing", "--text", "hi"], "MODEL='/missing'", "no such folder"),
     case(
-        "inspect-second-model-missing", ["inspect", "good", "./bad", "--text", "hi"], "MODEL='./bad'", "no such folder"
+        "inspect-model-missing",
+        ["inspect", "/missing", "--text", "hi"],
+        "models[0]='/missing'",
+        "no such folder",
+        loads_torch=True,
     ),
-    case("inspect-folder-without-config", ["inspect", "empty", "--text", "hi"], "MODEL='empty'", "config.json"),
+    case(
+        "inspect-second-model-missing",
+        ["inspect", "good", "./bad", "--text", "hi"],
+        "models[1]='./bad'",
+        "no such folder",
+        loads_torch=True,
+    ),
+    case(
+        "inspect-folder-without-config",
+        ["inspect", "empty", "--text", "hi"],
+        "models[0]='empty'",
+        "config.json",
+        loads_torch=True,
+    ),
     case(
         "inspect-hub-id-offline",
         ["inspect", "someone/not-cached", "--text", "hi"],
-        "MODEL='someone/not-cached'",
+        "models[0]='someone/not-cached'",
         "HF_HUB_OFFLINE=1",
+        loads_torch=True,
     ),
     case("inspect-text-absent", ["inspect", "good"], "--text", "--text-file"),
     case(
@@ -112,7 +186,13 @@ CASES = [
         "inspect-text-file-missing", ["inspect", "good", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"
     ),
     case("inspect-max-tokens-0", ["inspect", "good", "--text", "hi", "--max-tokens", "0"], "--max-tokens", "'0'"),
-    case("inspect-labels-count", ["inspect", "good", "good", "--text", "hi", "--labels", "one"], "--labels", "1", "2"),
+    case(
+        "inspect-labels-count",
+        ["inspect", "good", "good", "--text", "hi", "--labels", "one"],
+        "labels=['one']",
+        "2 models",
+        loads_torch=True,
+    ),
     case(
         "inspect-output-dir-is-a-file",
         ["inspect", "good", "--text", "hi", "--output-dir", "notes.txt"],
@@ -120,8 +200,8 @@ CASES = [
         "a file",
     ),
     # serve, and the command itself
-    case("serve-model-missing", ["serve", "./nope"], "MODEL='./nope'", "no such folder"),
-    case("serve-folder-without-config", ["serve", "empty"], "MODEL='empty'", "config.json"),
+    case("serve-model-missing", ["serve", "./nope"], "MODEL='./nope'", "no such folder", loads_torch=True),
+    case("serve-folder-without-config", ["serve", "empty"], "MODEL='empty'", "config.json", loads_torch=True),
     case("command-unknown", ["frobnicate"], "'frobnicate'"),
     case("command-absent", [], "COMMAND"),
 ]
