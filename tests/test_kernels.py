@@ -5,7 +5,8 @@ The kernel cases run on CPU tensors in Triton's interpreter. Triton decides inte
 this module (attnres imports transformers, whose torch._dynamo imports probe for Triton). So in a normal session this
 module collects one test, `test_kernels_under_interpreter`, which runs the file again in a child pytest process
 started with `TRITON_INTERPRET=1`; in that child (or in any session started with `TRITON_INTERPRET=1`) it collects
-the cases in `TestKernels` instead.
+the cases in `TestKernels` instead. On a GPU, `ATTNRES_TEST_DEVICE=cuda` collects `TestKernels` with CUDA tensors,
+compiled kernels and no interpreter (`scripts/gpu_checks.sh`).
 
 Tolerances: see `kernel_cases.py`, shared with the fused CPU kernels' tests.
 """
@@ -48,12 +49,20 @@ from kernel_cases import (
 
 
 INTERPRETED = isinstance(tl.sum, InterpretedFunction)
+# Where `TestKernels` runs: CPU tensors in the interpreter, or compiled kernels on a GPU.
+DEVICE = "cuda" if os.environ.get("ATTNRES_TEST_DEVICE") == "cuda" and not INTERPRETED else "cpu"
 
 
 class TestKernels:
-    """The kernels in Triton's interpreter, on CPU tensors (see the module docstring for when this is collected)."""
+    """The kernels against the reference, on `DEVICE` (see the module docstring for when this is collected)."""
 
-    __test__ = INTERPRETED
+    __test__ = INTERPRETED or DEVICE == "cuda"
+
+    @pytest.fixture(autouse=True)
+    def on_device(self):
+        """Every tensor the case makes (the shared inputs, the tiny models) is made on `DEVICE`."""
+        with torch.device(DEVICE):
+            yield
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("shape", PHASE1_SHAPES, ids=str)
@@ -134,7 +143,7 @@ class TestKernels:
         ids = torch.randint(3, model.config.vocab_size, (2, 5))
 
         monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
-        assert kernel_kind(depth_kernels(torch.device("cpu"), "auto")) == "triton"
+        assert kernel_kind(depth_kernels(torch.device(DEVICE), "auto")) == "triton"
 
         logits, grads = logits_and_grads(model, ids, "triton", monkeypatch)
         ref_logits, ref_grads = logits_and_grads(model, ids, "reference", monkeypatch)
