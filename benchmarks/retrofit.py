@@ -45,8 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnres.conversion import convert
 from attnres.training import evaluate_loss, lora_config, retrofit_depth, shakespeare_plays
-from attnres.training.retrofit import _tokens
-from attnres.training.data import token_windows
+from attnres.training.data import token_stream, token_windows
 
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -141,7 +140,7 @@ def run_arm(arm: Arm, lr: float, seed: int, folders: dict[str, Path], tokenizer,
 
 def untrained_losses(folder: Path, texts: dict, tokenizer, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    validation = token_windows(_tokens(tokenizer, [texts["validation"]]), args.seq_len, args.validation_windows)
+    validation = token_windows(token_stream(tokenizer, [texts["validation"]]), args.seq_len, args.validation_windows)
     return dict(
         validation_loss=evaluate_loss(model, validation, args.batch_size),
         held_out_loss=evaluate_loss(model, texts["held_out_windows"], args.batch_size),
@@ -351,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
             train=plays[args.train_play],
             validation=plays[args.validation_play],
             held_out_windows=token_windows(
-                _tokens(tokenizer, [plays[args.held_out_play]]), args.seq_len, args.held_out_windows
+                token_stream(tokenizer, [plays[args.held_out_play]]), args.seq_len, args.held_out_windows
             ),
         )
         settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}

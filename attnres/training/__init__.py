@@ -5,7 +5,7 @@
 Not imported by the modeling code, so checkpoints loaded with `trust_remote_code=True` never need it.
 """
 
-from .data import shakespeare_dir, shakespeare_plays, token_windows
+from .data import shakespeare_dir, shakespeare_plays, token_stream, token_windows
 from .depth import DEPTH_MODULE_NAMES, depth_parameter_names, is_depth_parameter, train_depth_only
 from .lora import LLAMA_TARGET_MODULES, lora_config
 from .optimization import AttnResTrainer, decay_parameter_names, no_decay_parameter_names, optimizer_groups
@@ -37,6 +37,7 @@ __all__ = [
     "retrofit_depth",
     "shakespeare_dir",
     "shakespeare_plays",
+    "token_stream",
     "token_windows",
     "train_depth_only",
 ]

@@ -7,6 +7,7 @@ modern editions are used, so a held-out play is not the training play in old spe
 """
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,6 +45,15 @@ def shakespeare_plays(names: list[str] | None = None, root: Path | None = None) 
     if missing:
         raise FileNotFoundError(f"Plays {missing} not under {root}; available: {', '.join(sorted(found))}")
     return {name: found[name].read_text(encoding="utf-8", errors="replace") for name in wanted}
+
+
+def token_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
+    """All texts tokenized (no special tokens) and joined by EOS into one 1-D stream, for `token_windows`."""
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + separator
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def token_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:

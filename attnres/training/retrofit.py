@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..inputs import check_positive_int
-from .data import token_windows
+from .data import token_stream, token_windows
 from .depth import train_depth_only
 
 
@@ -52,15 +52,6 @@ class RetrofitReport:
         )
 
     __str__ = format
-
-
-def _tokens(tokenizer, texts: Sequence[str]) -> torch.Tensor:
-    """All texts tokenized (no special tokens) and joined by EOS into one 1-D stream."""
-    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for text in texts:
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + separator
-    return torch.tensor(ids, dtype=torch.long)
 
 
 @torch.no_grad()
@@ -128,8 +119,8 @@ def retrofit_depth(
     # towards uniform attention (see `optimization`).
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=learning_rate, weight_decay=0.0)
 
-    train_ids = _tokens(tokenizer, train_texts)
-    held_out = token_windows(_tokens(tokenizer, eval_texts), seq_len, max_windows=eval_windows)
+    train_ids = token_stream(tokenizer, train_texts)
+    held_out = token_windows(token_stream(tokenizer, eval_texts), seq_len, max_windows=eval_windows)
     if train_ids.numel() <= seq_len:
         raise ValueError(f"The training texts have {train_ids.numel()} tokens, fewer than one window of {seq_len}.")
     device = next(model.parameters()).device
