@@ -6,9 +6,9 @@ every sublayer and of the final norm and follows one protocol (`DepthMixer`):
     input = mixer(state, context)                  # what the sublayer (or the final norm) reads
     state = mixer.absorb(output, state, context)   # the sublayer's raw output folded in
 
-`context` (`DepthContext`) holds what one forward pass's mixers share that is not a tensor. The state crosses each
-decoder layer's boundary as positional tensors (`flatten_state`), the form in which reentrant activation checkpointing
-recomputes and differentiates through all of them.
+`context` (`DepthContext`) holds what one forward pass's mixers share that is not a tensor. Under activation
+checkpointing the state crosses each decoder layer's boundary as positional tensors (`flatten_state`), the form in
+which reentrant checkpointing recomputes and differentiates through all of them.
 
 This file is copied flat into remote-code checkpoints, so it imports only its neighbours, relatively.
 """

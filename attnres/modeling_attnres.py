@@ -234,7 +234,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MixtralTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
         if hasattr(module, "init_residual_parameters"):
-            # Comparison residuals and AttnRes ablations (depth_mixing.py, residual_variants.py) initialise their own
+            # Comparison residuals and AttnRes ablations (residual_variants.py, depth_ablations.py) initialise their own
             # parameters as their papers do, most of them so that a fresh model equals the PreNorm baseline.
             module.init_residual_parameters(std)
 

