@@ -7,6 +7,8 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .transformers_compat import CACHE_NAME
+
 
 RESIDUAL_MODES = ("standard", "full", "block")
 # Residual connections from other papers, for ablations (docs/design.md §9); conversions target RESIDUAL_MODES only.
@@ -122,7 +124,7 @@ class AttnResConfig(PreTrainedConfig):
     """
 
     model_type = "attnres"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = [CACHE_NAME]
     attribute_map = {"num_experts": "num_local_experts"}
 
     # Pipeline stages split only at the embedding and the final norm: the decoder layers pass on the whole depth
@@ -179,6 +181,7 @@ class AttnResConfig(PreTrainedConfig):
         # The defaults below are derived from these, so they are checked first.
         for field in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
             self._check_positive_int(field)
+        self._check_int_range("num_local_experts", 0, math.inf, "0 (a dense MLP) or a positive number of experts")
         if self.head_dim is None:
             if self.hidden_size % (2 * self.num_attention_heads):
                 self._fail(
@@ -191,6 +194,10 @@ class AttnResConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.block_size is None:
             self.block_size = math.ceil(self.num_sublayers / TARGET_NUM_BLOCKS)
+        # Llama's plan for attention, and Llama's for the dense MLP or Mixtral's for the experts, whichever this
+        # config builds. The depth-mixing modules stay replicated: they read the full hidden states that `o_proj` and
+        # `down_proj` all-reduce. An attribute, not a property: Transformers < 5.20 extends it for tied embeddings.
+        self.base_model_tp_plan = {**ATTENTION_TP_PLAN, **(MOE_TP_PLAN if self.is_moe else MLP_TP_PLAN)}
         super().__post_init__(**kwargs)
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self._check_fields()
@@ -221,13 +228,6 @@ class AttnResConfig(PreTrainedConfig):
     @property
     def is_moe(self) -> bool:
         return self.num_local_experts > 0
-
-    @property
-    def base_model_tp_plan(self) -> dict[str, str]:
-        """Llama's plan for attention, and Llama's for the dense MLP or Mixtral's for the experts, whichever this
-        config builds. The depth-mixing modules stay replicated: they read the full hidden states that `o_proj` and
-        `down_proj` all-reduce."""
-        return {**ATTENTION_TP_PLAN, **(MOE_TP_PLAN if self.is_moe else MLP_TP_PLAN)}
 
     @property
     def base_model_ep_plan(self) -> dict[str, str] | None:

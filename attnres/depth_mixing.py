@@ -42,14 +42,20 @@ def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int
 class PendingInput(NamedTuple):
     """A step's input `h`, handed over uncomputed to the RMSNorm that reads it (docs/design.md §6).
 
-    `h` is only ever read by the pre-norm in front of its sublayer, so the norm (`AttnResRMSNorm`) computes the step's
-    last phase and its own normalisation in one operation, and `h` is never written to memory nor kept for the
-    backward pass. A named tuple of plain tuples, so that accelerate's hooks (`device_map`) move its tensors to the
-    norm's device like any other input.
+    `h` is only ever read by the pre-norm in front of its sublayer, so the model's own norm (`AttnResRMSNorm`)
+    computes the step's last phase and its own normalisation in one operation, and `h` is never written to memory
+    nor kept for the backward pass. Any other norm (an engine's that replaced the model's, as vLLM's Transformers
+    backend does) reads `h` itself, computed unfused (`value`). A named tuple of plain tuples, so that accelerate's
+    hooks (`device_map`) move its tensors to the norm's device like any other input.
     """
 
+    compute: Callable
     compute_and_norm: Callable
     inputs: tuple
+
+    def value(self) -> torch.Tensor:
+        """`h` itself."""
+        return self.compute(*self.inputs)
 
     def normalized(self, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
         """`norm_weight * RMSNorm(h)` with the norm's eps."""
@@ -165,11 +171,12 @@ class DepthAttention(DepthMixer):
         else:  # the output step, or no gathered queries: phase 1 for this step's own query
             (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, self.step_query(state).unsqueeze(0))
             lse = lse[0]
-        dtype = state.blocks[0].dtype
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
-            return cast(row, dtype) if context.materialize else PendingInput(kernels.phase1_rms_norm, (row, dtype))
-        args = (row, lse, state.partial, self.step_query(state), self.eps)
-        return phase2(*args) if context.materialize else PendingInput(kernels.phase2_rms_norm, args)
+            pending = PendingInput(cast, kernels.phase1_rms_norm, (row, state.blocks[0].dtype))
+        else:
+            args = (row, lse, state.partial, self.step_query(state), self.eps)
+            pending = PendingInput(phase2, kernels.phase2_rms_norm, args)
+        return pending.value() if context.materialize else pending
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:
         kernels = context.kernels

@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from transformers.modeling_utils import slice_logits_to_keep
 
 from .kernel_dispatch import DepthKernels
+from .transformers_compat import slice_logits_to_keep
 
 
 class DepthContext(NamedTuple):

@@ -19,7 +19,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -35,13 +35,13 @@ from transformers.models.mixtral.modeling_mixtral import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, pre_norm_eps, stack_queries
 from .depth_state import DepthContext, StateLayout, flatten_state
+from .transformers_compat import accepts_past_key_values, output_cache, output_with_cache, slice_logits_to_keep
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
@@ -55,6 +55,15 @@ class AttnResRMSNorm(LlamaRMSNorm):
         if isinstance(hidden_states, PendingInput):
             return hidden_states.normalized(self.weight, self.variance_epsilon)
         return super().forward(hidden_states)
+
+
+def pre_norm(norm: nn.Module, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
+    """`norm(hidden_states)`, for the norm in front of a sublayer or of the output: a `PendingInput` goes to the
+    model's own norm, which fuses it, and is computed first for any other. Engines replace the norms with their own
+    (vLLM's Transformers backend swaps every module it recognises as an RMSNorm) and must see the same function."""
+    if isinstance(hidden_states, PendingInput) and not isinstance(norm, AttnResRMSNorm):
+        hidden_states = hidden_states.value()
+    return norm(hidden_states)
 
 
 class AttnResRotaryEmbedding(LlamaRotaryEmbedding):
@@ -89,7 +98,7 @@ class AttnResAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -157,7 +166,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         *tensors, layout = super().__call__(*tensors, depth_layout=layout, **kwargs)
         return layout.unflatten(tensors)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     def forward(
         self,
         *depth_state: tuple | torch.Tensor | None,
@@ -172,7 +181,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
         hidden_states = self.attn_residual(state, depth_context)
         attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+            pre_norm(self.input_layernorm, hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -182,7 +191,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         state = self.attn_residual.absorb(attn_output, state, depth_context)
 
         hidden_states = self.mlp_residual(state, depth_context)
-        mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_output = self.mlp(pre_norm(self.post_attention_layernorm, hidden_states))
         state = self.mlp_residual.absorb(mlp_output, state, depth_context)
         if depth_layout is None:
             return state
@@ -263,7 +272,7 @@ class AttnResModel(AttnResPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -281,7 +290,7 @@ class AttnResModel(AttnResPreTrainedModel):
         logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
             The positions at which to compute the output (`last_hidden_state`), as `logits_to_keep` of
             `AttnResForCausalLM` (which passes its own): `0` for all of them, an `int` for the last ones, or a tensor
-            (see `transformers.modeling_utils.slice_logits_to_keep`). Under AttnRes the output is depth attention
+            (see `slice_logits_to_keep`). Under AttnRes the output is depth attention
             over every block, so a prompt's prefill, which keeps the last position, skips it at all the others.
             Ignored when hidden states are recorded: the last of them is the output, and as Llama's it spans every
             position (`AttnResForCausalLM` then keeps the positions itself).
@@ -301,13 +310,8 @@ class AttnResModel(AttnResPreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
-        causal_mask = mask_function(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
+        causal_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
         # Recorded hidden states are every step's input, so the steps compute their inputs themselves (same result).
@@ -330,9 +334,9 @@ class AttnResModel(AttnResPreTrainedModel):
         keeps_all = isinstance(logits_to_keep, int) and not 0 < logits_to_keep < inputs_embeds.shape[1]
         if not (materialize or keeps_all):
             depth_state = depth_state.at_positions(logits_to_keep)
-        hidden_states = self.norm(self.output_residual(depth_state, depth_context))
+        hidden_states = pre_norm(self.norm, self.output_residual(depth_state, depth_context))
 
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
 
     def depth_queries(self) -> torch.Tensor | None:
         """Every step's folded pseudo-query, stacked `[L + 1, D]` in sublayer order (the output step last), so that
@@ -391,7 +395,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -438,11 +442,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             if labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
 
-        return MoeCausalLMOutputWithPast(
+        return output_with_cache(
+            MoeCausalLMOutputWithPast,
+            output_cache(outputs),
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,

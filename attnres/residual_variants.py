@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.modeling_utils import slice_logits_to_keep
 
 from .depth_state import DepthContext, DepthMixer
+from .transformers_compat import slice_logits_to_keep
 from .two_phase import inverse_rms
 
 

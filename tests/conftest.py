@@ -52,3 +52,19 @@ def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0) -> None:
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def enable_activation_checkpointing(model, use_reentrant: bool) -> None:
+    """`activation_checkpointing_enable`, which Transformers before 5.20 calls `gradient_checkpointing_enable`."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+def disable_activation_checkpointing(model) -> None:
+    """`activation_checkpointing_disable`, which Transformers before 5.20 calls `gradient_checkpointing_disable`."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()

@@ -27,7 +27,12 @@ from attnres.depth_mixing import num_depth_sources
 from attnres import two_phase, two_phase_torch
 from attnres.two_phase import inverse_rms, naive_depth_attention, phase1, phase2
 
-from conftest import randomize_depth_parameters, tiny_config
+from conftest import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    randomize_depth_parameters,
+    tiny_config,
+)
 
 
 LLAMA_FIELDS = (
@@ -313,9 +318,7 @@ def naive_logits(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Te
     embeddings = decoder.embed_tokens(input_ids)
     position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
     position_embeddings = decoder.rotary_emb(embeddings, position_ids)
-    mask = create_causal_mask(
-        config=config, inputs_embeds=embeddings, attention_mask=None, cache=None, position_ids=position_ids
-    )
+    mask = create_causal_mask(config, embeddings, None, None, position_ids=position_ids)
     outputs = [embeddings]  # v_0, v_1, ...
 
     def sources(position: int) -> torch.Tensor:
@@ -495,9 +498,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, mode):
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(model, use_reentrant)
     checkpointed = gradients()
-    model.activation_checkpointing_disable()
+    disable_activation_checkpointing(model)
     assert plain.keys() == checkpointed.keys()
     if mode == "block":  # the depth parameters are reached through the positional depth state
         assert any(name.endswith("pseudo_query") for name in plain)

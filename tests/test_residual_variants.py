@@ -19,7 +19,7 @@ from attnres.residual_variants import HyperStreams
 from attnres.residual_variants import ManifoldHyperConnection, RecomputedSinkhornKnopp, sinkhorn_knopp
 from attnres.two_phase import inverse_rms
 
-from conftest import tiny_config
+from conftest import disable_activation_checkpointing, enable_activation_checkpointing, tiny_config
 
 
 VARIANTS = {
@@ -144,9 +144,7 @@ def test_denseformer_follows_its_definition_with_dilation_and_period():
         stream = decoder.embed_tokens(ids)
         position_ids = torch.arange(ids.shape[1])[None]
         rope = decoder.rotary_emb(stream, position_ids)
-        mask = create_causal_mask(
-            config=config, inputs_embeds=stream, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        mask = create_causal_mask(config, stream, None, None, position_ids=position_ids)
         block_outputs = [stream]
         averaged_after = []
         for i, layer in enumerate(decoder.layers, start=1):
@@ -467,9 +465,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(name, use_reentrant):
         return {key: p.grad.clone() for key, p in model.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(model, use_reentrant)
     checkpointed = gradients()
-    model.activation_checkpointing_disable()
+    disable_activation_checkpointing(model)
     assert plain.keys() == checkpointed.keys()
     residual_parameters = [key for key, p in model.named_parameters() if "_residual." in key and p.requires_grad]
     assert residual_parameters and set(residual_parameters) <= plain.keys()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomize_depth_parameters, tiny_config
+from conftest import enable_activation_checkpointing, randomize_depth_parameters, tiny_config
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -210,7 +210,7 @@ def test_train_depth_only_freezes_the_rest_and_survives_reentrant_checkpointing(
 
     model.train()
     plain = depth_grads()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    enable_activation_checkpointing(model, True)
     checkpointed = depth_grads()
     # Sublayer 1 reads a single source, so its pseudo-query has no gradient; every later one must have one.
     assert plain["model.layers.2.attn_residual.query.pseudo_query"].abs().sum() > 0
