@@ -281,15 +281,10 @@ def test_peft_lora_with_depth_modules_trains_saves_loads_and_merges(tmp_path):
 # --- distributed: DDP and FSDP2 through accelerate, 2 CPU processes on gloo -----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def distributed_runs(tmp_path_factory) -> dict[str, dict]:
-    """The same 4 steps as one process, as DDP and as FSDP over 2 processes."""
-    folder = tmp_path_factory.mktemp("distributed")
-    script = str(REPO_ROOT / "tests" / "distributed_train.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
-    commands = {"single": [sys.executable, script], "ddp": torchrun, "fsdp": torchrun}
-    # Earlier tests in this process (Trainer, accelerate) may leave RANK / MASTER_PORT / ACCELERATE_* behind, which
-    # would make the single run wait for a process group and the launched ranks join the wrong one.
+def launcher_env() -> dict[str, str]:
+    """This process's environment for a launched run. Earlier tests in this process (Trainer, accelerate) may leave
+    RANK / MASTER_PORT / ACCELERATE_* behind, which would make a single run wait for a process group and the
+    launched ranks join the wrong one."""
     launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {
         name: value
@@ -297,22 +292,41 @@ def distributed_runs(tmp_path_factory) -> dict[str, dict]:
         if name not in launcher_vars and not name.startswith(("TORCHELASTIC_", "ACCELERATE_"))
     }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    return env
+
+
+def launch(command: list[str], log_path: Path) -> None:
+    """Run `command` (a script, or torchrun over 2 processes) to completion within 120 s, its output in `log_path`."""
+    with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block a rank
+        process = subprocess.Popen(
+            command,
+            env=launcher_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so a hung launcher goes with its workers
+        )
+    try:
+        returncode = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert returncode == 0, f"{command} failed:\n{log_path.read_text()[-4000:]}"
+
+
+def torchrun(script: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory) -> dict[str, dict]:
+    """The same 4 steps as one process, as DDP and as FSDP over 2 processes."""
+    folder = tmp_path_factory.mktemp("distributed")
+    script = str(REPO_ROOT / "tests" / "distributed_train.py")
+    commands = {"single": [sys.executable, script], "ddp": torchrun(script), "fsdp": torchrun(script)}
     for strategy, command in commands.items():  # one after another: 2 ranks already fill the 2 CI cores
-        with open(folder / f"{strategy}.log", "w") as log:  # a file, not a pipe: a full pipe would block a rank
-            process = subprocess.Popen(
-                [*command, "--strategy", strategy, "--output", str(folder / f"{strategy}.json")],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group, so a hung launcher goes with its workers
-            )
-        try:
-            returncode = process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        assert returncode == 0, f"{strategy} failed:\n{(folder / f'{strategy}.log').read_text()[-4000:]}"
+        output = folder / f"{strategy}.json"
+        launch([*command, "--strategy", strategy, "--output", str(output)], folder / f"{strategy}.log")
     return {strategy: json.loads((folder / f"{strategy}.json").read_text()) for strategy in commands}
 
 
@@ -433,3 +447,30 @@ def test_pretrain_example_writes_curves_and_table(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert {run["residual_mode"] for run in results["runs"]} == {"standard", "block"}
     assert all(len(run["eval"]) == 2 for run in results["runs"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(residual_mode="block"), dict(residual_mode="full", num_local_experts=4, num_experts_per_tok=2)],
+    ids=["block-dense", "full-moe"],
+)
+def test_tensor_parallel_logits_equal_one_process(tmp_path, overrides):
+    """`tp_plan="auto"` under torchrun over 2 CPU processes (gloo) shards what `base_model_tp_plan` names (vLLM's
+    Transformers backend reads the same plan for its TP) and leaves the depth-mixing modules whole."""
+    model = AttnResForCausalLM(tiny_config(hidden_size=64, **overrides))
+    randomize_depth_parameters(model)
+    model.save_pretrained(tmp_path / "model")
+    script = str(REPO_ROOT / "tests" / "distributed_tp.py")
+    arguments = ["--checkpoint", str(tmp_path / "model")]
+    launch([sys.executable, script, *arguments, "--output", str(tmp_path / "single.pt")], tmp_path / "single.log")
+    launch([*torchrun(script), *arguments, "--tp", "--output", str(tmp_path / "tp.pt")], tmp_path / "tp.log")
+    single, sharded = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "tp.pt")
+
+    sublayers = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    sublayers += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if model.config.is_moe else ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    for expected in (f"model.layers.{i}.{name}" for i in range(model.config.num_hidden_layers) for name in sublayers):
+        assert any(name.startswith(expected) for name in sharded["sharded"]), (expected, sharded["sharded"])
+    assert not any("residual" in name for name in sharded["sharded"])
+    assert single["sharded"] == []
+    torch.testing.assert_close(sharded["logits"], single["logits"], rtol=0, atol=1e-5)
