@@ -13,6 +13,10 @@ from collections.abc import Sequence
 
 def serve(arguments: Sequence[str]) -> int:
     """Run `transformers serve *arguments` with the AttnRes model classes resolvable by name."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():  # checked here, before the server starts, to fail in one line
+        raise ValueError("attnres serve needs the server's packages: pip install 'attnres[serve]'")
     from transformers.cli.serving import model_manager
     from transformers.cli.transformers import main as transformers_main
 

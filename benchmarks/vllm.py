@@ -70,6 +70,7 @@ class Engine:
         for line in self.process.stdout:
             if line.startswith(RESULT_PREFIX):
                 return json.loads(line[len(RESULT_PREFIX) :])
+            self.log.write(line)  # vLLM's own log, kept beside its stderr
         self.log.flush()
         log = Path(self.log.name).read_text()[-4000:]
         raise RuntimeError(f"the {self.name} engine exited with {self.process.wait()}:\n{log}")
