@@ -63,7 +63,12 @@ def main() -> None:
     )
     startup = time.perf_counter() - start
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
-    report({"startup_seconds": startup, "dynamo": dynamo_counters()})
+    from torch._dynamo.utils import compile_times
+
+    # Seconds per compile phase (dynamo's tracing, AOT autograd, inductor's code generation, ...), summed.
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    phases = dict(zip(names, map(float, seconds)))
+    report({"startup_seconds": startup, "dynamo": dynamo_counters(), "compile_phase_seconds": phases})
 
     for line in sys.stdin:
         if not line.strip():
