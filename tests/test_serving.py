@@ -2,11 +2,8 @@
 batching (`generate_batch`) and the OpenAI-compatible server (`attnres serve`, which runs `transformers serve`),
 each against `generate`'s greedy output."""
 
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from attnres.conversion import convert
 from attnres_cli import default_demo_model
 
+from conftest import free_port, wait_until_healthy
 from test_transformers_integration import generate_batch_equals_generate
 
 
@@ -53,28 +51,12 @@ def test_continuous_batching_equals_generate_on_converted_smollm2(model_and_toke
     generate_batch_equals_generate(model, [chat_prompt(tokenizer, q) for q in QUESTIONS], MAX_NEW_TOKENS)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_server(checkpoint: Path, port: int, options: tuple[str, ...]) -> subprocess.Popen:
     command = [sys.executable, "-m", "attnres_cli", "serve", str(checkpoint), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", *options]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"`attnres serve` exited with {server.returncode}:\n{server.stdout.read()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    pytest.fail(f"`attnres serve` did not answer /health within 180 s:\n{server.stdout.read()}")
+    wait_until_healthy(server, port, 180, lambda: server.stdout.read())
+    return server
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,7 @@ its paged KV cache. The greedy tokens must still be `generate`'s, prompt by prom
 
 import json
 import os
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.conversion import convert
 from attnres_cli import default_demo_model
+from conftest import free_port, wait_until_healthy
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,7 +155,9 @@ def remote_code_runs(smollm2, tiny_models, tmp_path_factory) -> dict[tuple[str, 
     return {run: (job, result) for run, job, result in zip(REMOTE_CODE_RUNS, jobs, results)}
 
 
-@pytest.mark.parametrize("run", REMOTE_CODE_RUNS, ids=[f"{name}-{'eager' if eager else 'compiled'}" for name, eager in REMOTE_CODE_RUNS])
+@pytest.mark.parametrize(
+    "run", REMOTE_CODE_RUNS, ids=[f"{name}-{'eager' if eager else 'compiled'}" for name, eager in REMOTE_CODE_RUNS]
+)
 def test_vllm_from_remote_code_alone_equals_generate(remote_code_runs, run):
     job, result = remote_code_runs[run]
     assert result["model_class"] == "AttnResModel"
@@ -180,12 +179,6 @@ def test_vllm_with_attnres_installed_uses_its_kernels_and_equals_generate(tiny_m
 # ------------------------------------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_vllm_server(checkpoint: Path, port: int, tmp_path: Path) -> subprocess.Popen:
     """vLLM's OpenAI-compatible server, as docs/serving.md gives it, on a loopback port."""
     command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
@@ -193,20 +186,11 @@ def start_vllm_server(checkpoint: Path, port: int, tmp_path: Path) -> subprocess
     command += ["--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf-home"), VLLM_CPU_KVCACHE_SPACE="1")
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"the vLLM server exited with {server.returncode}:\n{(tmp_path / 'server.log').read_text()[-5000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            time.sleep(1)
-    server.kill()
-    pytest.fail(f"the vLLM server did not answer /health within 300 s:\n{(tmp_path / 'server.log').read_text()[-5000:]}")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    wait_until_healthy(server, port, 300, log_path.read_text)
+    return server
 
 
 def test_vllm_server_chat_and_completions_equal_generate(smollm2, tmp_path):
