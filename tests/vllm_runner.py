@@ -1,14 +1,14 @@
 """Runs checkpoints in vLLM's offline `LLM` with its Transformers backend, inside the vLLM environment
-(`.engines/vllm`, scripts/setup_engines.sh), for tests/test_vllm.py and benchmarks/vllm.py.
+(`.engines/vllm`, scripts/setup_engines.sh), for tests/test_vllm.py.
 
     .engines/vllm/bin/python tests/vllm_runner.py JOBS.json RESULTS.json
 
-JOBS.json is a list of jobs, `{"model": DIR, "enforce_eager": bool, "prompts": [[token ids], ...], "max_tokens": n}`;
-RESULTS.json gets, per job, the greedy token ids of each prompt (all prompts in one `generate` call, so vLLM
-schedules them into shared flattened batches over its paged KV cache), the most sequences one forward pass computed,
-and what the process had imported: whether `attnres` (the installed package) was, and the checkpoint's own modeling
-module. The engine runs in this process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) so that this is the process that ran the model.
+JOBS.json is a list of jobs, `{"model": DIR, "enforce_eager": bool, "skip_tokenizer_init": bool, "prompts": [[token
+ids], ...], "max_tokens": n}`; RESULTS.json gets, per job, the greedy token ids of each prompt (all prompts in one
+`generate` call, so vLLM schedules them into shared flattened batches over its paged KV cache), the most sequences
+one forward pass computed, and what the process had imported: whether `attnres` (the installed package) was, and the
+checkpoint's own modeling module. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni`
+executor) so that this is the process that ran the model.
 """
 
 import gc
@@ -46,10 +46,10 @@ def run_job(job: dict) -> dict:
         model_impl="transformers",
         enforce_eager=job["enforce_eager"],
         dtype="float32",
-        max_model_len=job.get("max_model_len", 512),
+        max_model_len=512,
         max_num_seqs=len(job["prompts"]),
         distributed_executor_backend="uni",
-        skip_tokenizer_init=job.get("skip_tokenizer_init", False),
+        skip_tokenizer_init=job["skip_tokenizer_init"],
         seed=0,
     )
     (model_class,) = llm.apply_model(watch_batches)
