@@ -137,7 +137,8 @@ def _add_conversion_options(parser: argparse.ArgumentParser, source: str) -> Non
         type=_integer(1, "a positive number of sublayers"),
         default=None,
         metavar="S",
-        help="Block AttnRes block size in sublayers, from 1 to 2 * num_hidden_layers (default: about 8 blocks)",
+        help="Block AttnRes block size in sublayers, from 1 to 2 * num_hidden_layers "
+        "(default: whole layers, about 8 blocks)",
     )
     parser.add_argument(
         "--no-exact-retrofit",

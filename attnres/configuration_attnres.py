@@ -45,6 +45,16 @@ _POSITIVE_INT_FIELDS = (
     "sinkhorn_iterations",
 )
 TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
+
+
+def layers_per_block(num_hidden_layers: int) -> int:
+    """The default block's size in decoder layers: the one whose number of blocks is nearest `TARGET_NUM_BLOCKS`,
+    the larger on a tie (fewer blocks cost less). Whole layers, so that no block splits an attention from its MLP:
+    such a checkpoint would have no FLA or Kimi equivalent."""
+    return min(
+        range(1, num_hidden_layers + 1),
+        key=lambda n: (abs(math.ceil(num_hidden_layers / n) - TARGET_NUM_BLOCKS), -n),
+    )
 # Tensor- and expert-parallel plans of the shared weights: Llama's for attention and the dense MLP, Mixtral's for
 # the experts.
 ATTENTION_TP_PLAN = {
@@ -89,9 +99,10 @@ class AttnResConfig(PreTrainedConfig):
             completed block sums and the running sum of its own block.
         block_size (`int`, *optional*):
             Block size S in *sublayers* (an attention and an MLP are two sublayers, so a model with
-            `num_hidden_layers` decoder layers has `2 * num_hidden_layers` sublayers). Defaults to
-            `ceil(2 * num_hidden_layers / 8)`, i.e. about 8 blocks as the paper recommends. `block_size=1` is Full
-            AttnRes. Only used when `residual_mode="block"`.
+            `num_hidden_layers` decoder layers has `2 * num_hidden_layers` sublayers). Defaults to blocks of whole
+            decoder layers, as FLA, Kimi's released model and vLLM count them, as many layers per block as brings the
+            number of blocks nearest 8, the paper's recommendation (ties: fewer blocks).
+            `block_size=1` is Full AttnRes. Only used when `residual_mode="block"`.
         exact_retrofit (`bool`, defaults to `False`):
             Divide the eps of each pre-norm (and of the final norm) by k**2, where k is the number of depth sources
             of the mixing step in front of it. With zero pseudo-queries a mixing step returns (sum of sources) / k
@@ -193,7 +204,7 @@ class AttnResConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.block_size is None:
-            self.block_size = math.ceil(self.num_sublayers / TARGET_NUM_BLOCKS)
+            self.block_size = 2 * layers_per_block(self.num_hidden_layers)
         # Llama's plan for attention, and Llama's for the dense MLP or Mixtral's for the experts, whichever this
         # config builds. The depth-mixing modules stay replicated: they read the full hidden states that `o_proj` and
         # `down_proj` all-reduce. An attribute, not a property: Transformers < 5.20 extends it for tied embeddings.

@@ -105,8 +105,8 @@ def holds_full_values(step: DepthQuery) -> bool:
 class StandardResidual(DepthMixer):
     """The PreNorm residual `h_{l+1} = h_l + v_l`, bit-compatible with Llama and Mixtral."""
 
-    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
-        return ResidualStream(inputs_embeds), DepthContext(materialize=materialize)
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, record_inputs: bool):
+        return ResidualStream(inputs_embeds), DepthContext(record_inputs=record_inputs)
 
     def forward(self, state: ResidualStream, context: DepthContext) -> torch.Tensor:
         return state.hidden_states
@@ -146,10 +146,10 @@ class DepthAttention(DepthMixer):
         next_end = min(position + block_size, num_sublayers)
         self.next_block = slice(position, next_end) if position < num_sublayers else None
 
-    def initial_state(self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, materialize: bool):
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, record_inputs: bool):
         """b_0 = the embedding; with gathered queries, phase 1 for the first block (this step's)."""
         kernels = depth_kernels(inputs_embeds.device, self.depth_kernel, differentiable=torch.is_grad_enabled())
-        context = DepthContext(kernels, materialize)
+        context = DepthContext(kernels, record_inputs)
         if queries is None:
             blocks_inv_rms = inverse_rms(inputs_embeds, self.eps).unsqueeze(0)
             return DepthState(blocks=(inputs_embeds,), blocks_inv_rms=blocks_inv_rms), context
@@ -176,7 +176,7 @@ class DepthAttention(DepthMixer):
         else:
             args = (row, lse, state.partial, self.step_query(state), self.eps)
             pending = PendingInput(phase2, kernels.phase2_rms_norm, args)
-        return pending.value() if context.materialize else pending
+        return pending
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:
         kernels = context.kernels

@@ -28,12 +28,12 @@ class DepthContext(NamedTuple):
 
     kernels: the implementations of the two phases (`kernel_dispatch.DepthKernels`), chosen once per forward pass;
         `None` for the modes that compute no depth attention.
-    materialize: whether each step computes its input itself instead of handing its last phase to the pre-norm
-        (`output_hidden_states` records every input).
+    record_inputs: whether the inputs of the attention sublayers and of the final norm are recorded
+        (`output_hidden_states`), which the model computes besides what it goes on with.
     """
 
     kernels: DepthKernels | None = None
-    materialize: bool = False
+    record_inputs: bool = False
 
 
 class ResidualStream(NamedTuple):
@@ -118,7 +118,7 @@ class DepthMixer(nn.Module):
     two_phase = False
 
     def initial_state(
-        self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, materialize: bool
+        self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, record_inputs: bool
     ) -> tuple[NamedTuple, DepthContext]:
         """The state before the first sublayer, and the context of the forward pass it starts."""
         raise NotImplementedError(f"{type(self).__name__} does not start a depth state")

@@ -41,7 +41,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, pre_norm_eps, stack_queries
 from .depth_state import DepthContext, StateLayout, flatten_state
-from .transformers_compat import accepts_past_key_values, output_cache, output_with_cache, slice_logits_to_keep
+from .transformers_compat import accepts_past_key_values, output_cache, output_with_cache
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
@@ -64,6 +64,16 @@ def pre_norm(norm: nn.Module, hidden_states: torch.Tensor | PendingInput) -> tor
     if isinstance(hidden_states, PendingInput) and not isinstance(norm, AttnResRMSNorm):
         hidden_states = hidden_states.value()
     return norm(hidden_states)
+
+
+class RecordedHiddenState(nn.Module):
+    """A hidden state that `output_hidden_states` records: what an attention sublayer reads, or the model's output at
+    every position. Transformers records by hooking module outputs, and a depth-attention step's output is a
+    `PendingInput`, so this module computes the record; it runs only while recording, beside what the model computes
+    and goes on with (fused, at the kept positions), so recording changes no output."""
+
+    def forward(self, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
+        return hidden_states.value() if isinstance(hidden_states, PendingInput) else hidden_states
 
 
 class AttnResRotaryEmbedding(LlamaRotaryEmbedding):
@@ -158,6 +168,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, mlp_position))
         self.attn_residual = depth_mixer(config, attn_position)
         self.mlp_residual = depth_mixer(config, mlp_position)
+        self.recorded_input = RecordedHiddenState()
 
     def __call__(self, depth_state: tuple, **kwargs) -> tuple:
         if not (self.gradient_checkpointing and self.training):
@@ -180,6 +191,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple:
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
         hidden_states = self.attn_residual(state, depth_context)
+        if depth_context.record_inputs:
+            self.recorded_input(hidden_states)
         attn_output, _ = self.self_attn(
             pre_norm(self.input_layernorm, hidden_states),
             position_embeddings=position_embeddings,
@@ -212,11 +225,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     # `hidden_states[i]` is the input the i-th decoder layer's attention sublayer reads (the depth-mixed input under
     # AttnRes, the residual stream in standard mode, where this equals Llama's), and the last entry is the output
-    # after the final norm.
+    # after the final norm, each computed by a `RecordedHiddenState`.
     _can_record_outputs = {
         "hidden_states": [
-            OutputRecorder(None, class_name="attn_residual", capture_initial_hidden_state=False),
-            OutputRecorder(None, class_name="output_residual", capture_initial_hidden_state=False),
+            OutputRecorder(None, class_name="recorded_input", capture_initial_hidden_state=False),
+            OutputRecorder(None, class_name="recorded_output", capture_initial_hidden_state=False),
         ],
         "attentions": OutputRecorder(AttnResAttention, index=1),
         "router_logits": OutputRecorder(MixtralTopKRouter, index=0),
@@ -261,6 +274,7 @@ class AttnResModel(AttnResPreTrainedModel):
         output_position = config.num_sublayers + 1
         self.output_residual = depth_mixer(config, output_position)
         self.norm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, output_position))
+        self.recorded_output = RecordedHiddenState()
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
 
@@ -274,7 +288,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
     @accepts_past_key_values
     @merge_with_config_defaults
-    @capture_outputs
+    @capture_outputs(tie_last_hidden_states=False)  # the recorded output spans every position (`forward`)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -292,8 +306,8 @@ class AttnResModel(AttnResPreTrainedModel):
             `AttnResForCausalLM` (which passes its own): `0` for all of them, an `int` for the last ones, or a tensor
             (see `slice_logits_to_keep`). Under AttnRes the output is depth attention
             over every block, so a prompt's prefill, which keeps the last position, skips it at all the others.
-            Ignored when hidden states are recorded: the last of them is the output, and as Llama's it spans every
-            position (`AttnResForCausalLM` then keeps the positions itself).
+            The recorded hidden states (`output_hidden_states`) span every position, the output among them, as Llama's
+            do.
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -314,10 +328,9 @@ class AttnResModel(AttnResPreTrainedModel):
         causal_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
-        # Recorded hidden states are every step's input, so the steps compute their inputs themselves (same result).
-        materialize = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
+        record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].attn_residual
-        depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(), materialize)
+        depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(), record_inputs)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 depth_state,
@@ -329,12 +342,15 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
-        # The output at the kept positions only (docs/design.md §6.1), unless hidden states are recorded: the last of
-        # them is this output, which spans every position as Llama's does.
+        # The output at the kept positions only (docs/design.md §6.1). The recorded output spans every position, as
+        # Llama's does, so recording computes it there too.
         keeps_all = isinstance(logits_to_keep, int) and not 0 < logits_to_keep < inputs_embeds.shape[1]
-        if not (materialize or keeps_all):
-            depth_state = depth_state.at_positions(logits_to_keep)
-        hidden_states = pre_norm(self.norm, self.output_residual(depth_state, depth_context))
+        output_state = depth_state if keeps_all else depth_state.at_positions(logits_to_keep)
+        hidden_states = pre_norm(self.norm, self.output_residual(output_state, depth_context))
+        if record_inputs and not keeps_all:
+            self.recorded_output(pre_norm(self.norm, self.output_residual(depth_state, depth_context)))
+        elif record_inputs:
+            self.recorded_output(hidden_states)
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
 
@@ -425,10 +441,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        hidden_states = outputs.last_hidden_state
-        if outputs.hidden_states is not None:  # recorded: the model kept every position (`AttnResModel.forward`)
-            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(outputs.last_hidden_state)
 
         loss = None
         if labels is not None:

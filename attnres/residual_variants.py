@@ -79,8 +79,8 @@ class DepthWeightedAverage(DepthMixer):
         # x_j for j = i, i - k, ... >= 0: i // k + 1 sources, oldest first.
         self.dwa_weights = nn.Parameter(torch.zeros(self.block // dilation + 1)) if has_average else None
 
-    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
-        return DenseFormerState(inputs_embeds, inputs_embeds.unsqueeze(0)), DepthContext(materialize=materialize)
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, record_inputs: bool):
+        return DenseFormerState(inputs_embeds, inputs_embeds.unsqueeze(0)), DepthContext(record_inputs=record_inputs)
 
     def forward(self, state: DenseFormerState, context: DepthContext | None = None) -> torch.Tensor:
         return state.stream
@@ -117,10 +117,10 @@ def _mix_streams(weights: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return torch.einsum("j...,j...d->...d", weights, streams.float())
 
 
-def _initial_streams(inputs_embeds: torch.Tensor, num_streams: int, materialize: bool):
+def _initial_streams(inputs_embeds: torch.Tensor, num_streams: int, record_inputs: bool):
     """The embedding in every one of the streams."""
     streams = inputs_embeds.unsqueeze(0).expand(num_streams, *inputs_embeds.shape)
-    return HyperStreams(streams), DepthContext(materialize=materialize)
+    return HyperStreams(streams), DepthContext(record_inputs=record_inputs)
 
 
 class HyperConnection(DepthMixer):
@@ -152,8 +152,8 @@ class HyperConnection(DepthMixer):
     def _normalized(self, streams: torch.Tensor) -> torch.Tensor:
         return streams.float() * inverse_rms(streams, self.eps).unsqueeze(-1)
 
-    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
-        return _initial_streams(inputs_embeds, self.static_input.shape[0], materialize)
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, record_inputs: bool):
+        return _initial_streams(inputs_embeds, self.static_input.shape[0], record_inputs)
 
     def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
         streams = state.streams
@@ -280,8 +280,8 @@ class ManifoldHyperConnection(DepthMixer):
         logits = logits + self.residual_bias.float()
         return post, RecomputedSinkhornKnopp.apply(logits, self.sinkhorn_iterations)
 
-    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, materialize: bool):
-        return _initial_streams(inputs_embeds, self.input_bias.shape[0], materialize)
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: None, record_inputs: bool):
+        return _initial_streams(inputs_embeds, self.input_bias.shape[0], record_inputs)
 
     def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
         streams = state.streams

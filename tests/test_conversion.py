@@ -91,6 +91,13 @@ def leftovers(parent: Path) -> list[str]:
 # --- tiny random checkpoints: every architecture converts exactly ------------------------------------------------
 
 
+def test_default_block_size_is_the_configs_whole_layers(tmp_path):
+    source, _ = tiny_source(tmp_path, LlamaConfig, LlamaForCausalLM, num_hidden_layers=12)
+    report = convert(source, tmp_path / "out", verify=False, progress=False)
+    assert report.block_size == 4 and report.num_blocks == 6
+    assert load_converted(tmp_path / "out").config.block_size == 4
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("mode", ["block", "full"])
 def test_llama_converts_exactly(tmp_path, tied, mode):

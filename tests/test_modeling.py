@@ -23,7 +23,7 @@ from transformers import (
 from transformers.masking_utils import create_causal_mask
 
 from attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
-from attnres.depth_mixing import num_depth_sources
+from attnres.depth_mixing import PendingInput, num_depth_sources
 from attnres import two_phase, two_phase_torch
 from attnres.two_phase import inverse_rms, naive_depth_attention, phase1, phase2
 
@@ -512,8 +512,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, mode):
 @pytest.mark.parametrize("mode", ["standard", "full", "block", "hc"])
 def test_logits_to_keep_computes_the_output_at_the_kept_positions_only(mode):
     """Every form of `logits_to_keep` gives the full forward's logits at those positions; under AttnRes the output
-    step reads its sources at the kept positions alone (prefill keeps the last one), unless hidden states are
-    recorded, which keep every position as Llama's do."""
+    step reads its sources at the kept positions alone (prefill keeps the last one). Recorded hidden states span
+    every position, as Llama's do, so recording runs the output step at every position besides."""
     model = trained_model(residual_mode=mode, block_size=3)
     ids = input_batch(model.config)
     mask = torch.zeros(ids.shape, dtype=torch.bool)
@@ -534,7 +534,7 @@ def test_logits_to_keep_computes_the_output_at_the_kept_positions_only(mode):
         recorded = model(ids, logits_to_keep=1, output_hidden_states=True)
     assert max_diff(recorded.logits, full[:, -1:]) <= 1e-6 and recorded.hidden_states[-1].shape[1] == ids.shape[1]
     if mode in ("full", "block"):
-        assert output_step_tokens == [(2, 11), (2, 1), (2, 3), (2, 2), (3,), (2, 11), (2, 2), (2, 11), (2, 11)]
+        assert output_step_tokens == [(2, 11), (2, 1), (2, 3), (2, 2), (3,), (2, 11), (2, 2), (2, 11), (2, 1), (2, 11)]
 
 
 def test_sequence_classification():
@@ -565,28 +565,33 @@ def test_torch_compile_fullgraph_traces_every_mode(monkeypatch):
             assert max_diff(compiled(ids).logits, model(ids).logits) <= 1e-6
 
 
-@pytest.mark.parametrize("kernel", ["reference", "auto"])
-def test_output_hidden_states_are_the_inputs_each_layer_reads(kernel, monkeypatch):
-    """Recording makes every step compute its input `h` and the pre-norm normalise it as Llama's does: on the
-    PyTorch path the same operations as the fused merge-and-norm, so the output is bit-identical; the fused kernels
-    (the C++ ones here) keep `h` in fp32 in one pass, so there the output agrees to fp32 rounding."""
+@pytest.mark.parametrize("kernel", ["reference", "auto", "cpu"])
+@pytest.mark.parametrize("residual_mode", ["block", "full", "standard", "mhc"])
+def test_output_hidden_states_change_no_output_and_are_the_inputs_each_layer_reads(kernel, residual_mode, monkeypatch):
+    """Recording computes each step's input `h` besides the fused last phase + norm the model goes on with, so the
+    logits are bit-equal on every implementation of the two phases (Triton's: test_kernels.py)."""
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
-    model = trained_model(block_size=2)
+    model = trained_model(residual_mode=residual_mode, block_size=2)
     ids = input_batch(model.config)
     inputs = []
-    hooks = [layer.attn_residual.register_forward_hook(lambda m, a, out: inputs.append(out)) for layer in model.model.layers]
+    hooks = [
+        layer.attn_residual.register_forward_hook(lambda m, a, out: inputs.append(out)) for layer in model.model.layers
+    ]
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
-        unrecorded = model.model(ids).last_hidden_state
     for hook in hooks:
         hook.remove()
+    with torch.no_grad():
+        unrecorded = model(ids)
+        last_only = model(ids, logits_to_keep=1)
+        last_only_recorded = model(ids, logits_to_keep=1, output_hidden_states=True)
+    assert torch.equal(out.logits, unrecorded.logits)
+    assert torch.equal(last_only_recorded.logits, last_only.logits)
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
     for recorded, expected in zip(out.hidden_states[:-1], inputs):
+        expected = expected.value() if isinstance(expected, PendingInput) else expected
         assert torch.equal(recorded, expected)
-    if kernel == "reference":
-        assert torch.equal(out.hidden_states[-1], unrecorded)
-    else:
-        assert max_diff(out.hidden_states[-1], unrecorded) <= 1e-5
+    assert torch.equal(out.hidden_states[-1], model.model(ids).last_hidden_state)
 
 
 def test_moe_training_loss_includes_the_router_aux_loss():
@@ -727,7 +732,26 @@ def test_invalid_config_field_raises_naming_it(field, value, message):
     assert message in str(error.value)
 
 
-def test_default_block_size_gives_about_eight_blocks():
-    config = AttnResConfig(num_hidden_layers=30, hidden_size=64, num_attention_heads=4, intermediate_size=128)
-    assert config.block_size == 8 and math.ceil(config.num_sublayers / config.block_size) == 8
-    assert AttnResConfig(num_hidden_layers=27, hidden_size=64, num_attention_heads=4).block_size == 7
+@pytest.mark.parametrize("num_layers", range(1, 65))
+def test_default_block_size_is_whole_layers_about_eight_blocks(num_layers):
+    config = AttnResConfig(num_hidden_layers=num_layers, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    num_blocks = math.ceil(config.num_sublayers / config.block_size)
+    assert config.block_size % 2 == 0  # no block splits a decoder layer
+    nearest = min(abs(math.ceil(num_layers / n) - 8) for n in range(1, num_layers + 1))
+    assert abs(num_blocks - 8) == nearest
+    assert num_blocks == num_layers if num_layers <= 8 else 6 <= num_blocks <= 10
+
+
+@pytest.mark.parametrize("num_layers,block_size", [(4, 2), (9, 2), (12, 4), (28, 8), (30, 8), (32, 8), (36, 10)])
+def test_default_block_size_at_common_depths(num_layers, block_size):
+    assert AttnResConfig(num_hidden_layers=num_layers, hidden_size=64, num_attention_heads=4).block_size == block_size
+
+
+def test_explicit_and_saved_block_sizes_load_unchanged(tmp_path):
+    """A checkpoint records its block size, so one saved under another default (here the odd 7 that
+    `ceil(2L / 8)` gave 27 layers) loads with the block size it was trained with."""
+    config = AttnResConfig(num_hidden_layers=27, hidden_size=64, num_attention_heads=4, block_size=7)
+    assert config.block_size == 7
+    config.save_pretrained(tmp_path)
+    assert AttnResConfig.from_pretrained(tmp_path).block_size == 7
+    assert AttnResConfig(num_hidden_layers=27, hidden_size=64, num_attention_heads=4).block_size == 8

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..depth_mixing import PendingInput
+
 
 @dataclass
 class DepthProfile:
@@ -41,7 +43,10 @@ class DepthProfile:
         return len(self.output_rms)
 
 
-def _rms(tensor: torch.Tensor) -> float:
+def _rms(tensor: torch.Tensor | PendingInput) -> float:
+    """The RMS of a tensor, or of the input a depth-attention step hands its pre-norm uncomputed."""
+    if isinstance(tensor, PendingInput):
+        tensor = tensor.value()
     return tensor.detach().float().pow(2).mean().sqrt().item()
 
 
@@ -87,9 +92,7 @@ def depth_profile(model: nn.Module, input_ids: torch.Tensor, label: str = "model
     model.eval()
     model.zero_grad(set_to_none=True)
     try:
-        # `output_hidden_states` makes AttnRes compute every sublayer input itself (by default the pre-norm
-        # receives the last depth-mixing phase unfinished, to fuse it), so the pre-norm hooks see tensors.
-        logits = model(input_ids=input_ids, use_cache=False, output_hidden_states=True).logits.float()
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()
         loss = nn.functional.cross_entropy(logits[0, :-1], input_ids[0, 1:])
         loss.backward()
     finally:

@@ -107,7 +107,7 @@ def convert(
             checkpoint is complete and verified.
         mode: `"block"` (Block AttnRes), `"full"` (Full AttnRes), or `"standard"` (a PreNorm baseline in AttnRes
             format).
-        block_size: Block AttnRes block size in sublayers; defaults to about 8 blocks.
+        block_size: Block AttnRes block size in sublayers; defaults to the config's, blocks of whole layers, about 8.
         dtype: cast floating-point weights to this dtype; by default every tensor keeps its dtype (GGUF files are
             dequantised to float32).
         verify: run source and result on probe prompts and a text, and fail unless they agree within `tolerance`.
