@@ -4,8 +4,10 @@ Every implementation provides the operations of `DepthKernels` with the signatur
 tested against the PyTorch reference (`two_phase.py`). `depth_kernels` chooses one, once per combination of device
 type, setting and grad mode; the model asks once per forward pass.
 
-This file is copied flat into remote-code checkpoints, which must load where neither `attnres` nor Triton is
-installed: the kernels are imported here, absolutely and inside `try`, only when chosen.
+This file is copied flat into remote-code checkpoints. A checkpoint's copy runs `two_phase_torch` alone and never
+imports an installed `attnres`, whose kernels may have changed since the checkpoint was saved: a checkpoint computes
+the same function under any later version, or none (`PACKAGED`). In the package, the kernels are imported here,
+inside `try`, only when chosen.
 """
 
 import functools
@@ -22,6 +24,8 @@ from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
 
 
 SETTINGS = ("auto", "reference", "triton", "cpu")
+# Whether this is the package's module rather than a checkpoint's copy (`transformers_modules.<checkpoint>...`).
+PACKAGED = __name__ == "attnres.kernel_dispatch"
 
 
 class DepthKernels(NamedTuple):
@@ -68,10 +72,10 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
     `reference`), else the environment variable `ATTNRES_DEPTH_KERNEL`, either of which can say `reference`:
 
     - `auto`: the Triton kernels on CUDA when Triton is importable, the fused C++ kernels on the CPU when they build,
-      `two_phase_torch` otherwise;
+      `two_phase_torch` otherwise, and always in a checkpoint's remote code;
     - `reference`: `two_phase_torch` everywhere;
     - `triton` / `cpu`: those kernels, or an error if they cannot be loaded (`triton` on a CPU means Triton's
-      interpreter, `TRITON_INTERPRET=1`, for tests).
+      interpreter, `TRITON_INTERPRET=1`, for tests), or in a checkpoint's remote code.
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
     wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses.
@@ -88,6 +92,13 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
 def _choose(device_type: str, setting: str, differentiable: bool, compiling: bool = False) -> DepthKernels:
     torch_kernels = TORCH_KERNELS._replace(differentiable=differentiable)
     if setting == "reference":
+        return torch_kernels
+    if not PACKAGED:
+        if setting in ("cpu", "triton"):
+            raise RuntimeError(
+                f"ATTNRES_DEPTH_KERNEL={setting}: a checkpoint's remote code runs the PyTorch implementation only; "
+                "load the model with the attnres package (without trust_remote_code) for its kernels"
+            )
         return torch_kernels
     if device_type == "cpu" and setting in ("auto", "cpu") and not compiling:
         try:

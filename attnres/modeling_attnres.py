@@ -468,7 +468,18 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
 
 class AttnResForSequenceClassification(GenericForSequenceClassification, AttnResPreTrainedModel):
-    pass
+    """Llama's classification head (the score of the last non-padding token) on `AttnResModel`.
+
+    The backbone is built here, not by the generic class's `AutoModel.from_config(config)`: loaded from a checkpoint's
+    remote code, that call is not given `trust_remote_code` and refuses the checkpoint's own model class.
+    """
+
+    def __init__(self, config: AttnResConfig):
+        AttnResPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = AttnResModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
 
 
 AttnResModel.register_for_auto_class("AutoModel")

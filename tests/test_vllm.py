@@ -157,11 +157,11 @@ def test_vllm_from_remote_code_alone_equals_generate(remote_code_runs, run):
     assert result["token_ids"] == greedy_tokens(Path(job["model"]), job["prompts"], job["max_tokens"])
 
 
-def test_vllm_with_attnres_installed_uses_its_kernels_and_equals_generate(tiny_models, tmp_path):
-    """With attnres importable the checkpoint's code takes the installed fused CPU kernels for the two phases."""
+def test_vllm_with_attnres_installed_runs_the_checkpoints_code_alone_and_equals_generate(tiny_models, tmp_path):
+    """With attnres importable the checkpoint's code still never imports it (tests/test_remote_code.py)."""
     job = job_for("tiny-block", tiny_models["block"], enforce_eager=True)
     (result,) = run_in_vllm([job], tmp_path, with_attnres=True)
-    assert result["attnres_imported"] and "attnres.kernels.cpu" in result["attnres_kernels_imported"]
+    assert result["remote_modeling_imported"] and not result["attnres_imported"]
     assert result["max_sequences_per_forward"] >= 4
     assert result["token_ids"] == greedy_tokens(tiny_models["block"], job["prompts"], job["max_tokens"])
 

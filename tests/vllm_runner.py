@@ -63,7 +63,6 @@ def run_job(job: dict) -> dict:
         "model_class": model_class,
         "max_sequences_per_forward": max_sequences_per_forward,
         "attnres_imported": "attnres" in sys.modules,
-        "attnres_kernels_imported": sorted(name for name in sys.modules if name.startswith("attnres.kernels")),
         "remote_modeling_imported": any(name.endswith(".modeling_attnres") for name in sys.modules),
     }
 
