@@ -1,6 +1,7 @@
 """A checkpoint's remote code stands on its own: every Auto class the package registers loads from it with
 `trust_remote_code=True` alone, in a virtual environment without attnres, and where an `attnres` is importable the
-checkpoint's code never imports it, so that a checkpoint computes the same function under any later version.
+checkpoint's code never imports it, so that a checkpoint computes the same function under any later version; and
+checkpoints saved by an earlier version (`tests/fixtures/v0_1_0`) still load and give the logits they gave then.
 
 The environment without attnres is vLLM's (`scripts/setup_engines.sh`, Transformers 5.19, the same torch).
 """
@@ -100,13 +101,17 @@ def assert_remote_and_equal(report: dict, max_diff: float) -> None:
         assert report[name]["max_diff"] <= max_diff, (name, report[name])
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_auto_class_loads_from_remote_code_in_a_venv_without_attnres(mode, monkeypatch, tmp_path):
+def require_venv_without_attnres() -> None:
     if not VENV_WITHOUT_ATTNRES.exists():
         reason = "the vLLM environment is not set up: bash scripts/setup_engines.sh"
-        if os.environ.get("ATTNRES_REQUIRE_ENGINES") == "1":
+        if os.environ.get("ATTNRES_REQUIRE_ENGINES") == "1":  # scripts/test.sh sets it up, and so requires it
             raise RuntimeError(reason)
         pytest.skip(reason)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_auto_class_loads_from_remote_code_in_a_venv_without_attnres(mode, monkeypatch, tmp_path):
+    require_venv_without_attnres()
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
     save_checkpoints(tmp_path, MODES[mode])
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATTNRES_DEPTH_KERNEL")}
@@ -168,3 +173,41 @@ def test_remote_code_refuses_to_demand_the_packages_kernels(tmp_path, monkeypatc
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode != 0
     assert "ATTNRES_DEPTH_KERNEL=cpu: a checkpoint's remote code runs the PyTorch implementation only" in result.stderr
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v0_1_0"
+
+
+@pytest.mark.parametrize("checkpoint", ["block-default", "converted"])
+def test_checkpoints_saved_by_an_earlier_version_give_the_same_logits(checkpoint, monkeypatch, tmp_path):
+    """`tests/fixtures/v0_1_0`: a Block model saved under the earlier default block size (1 sublayer for 3 layers)
+    and a converted Llama, saved with their code by attnres 0.1.0 before blocks defaulted to whole layers, and their
+    logits computed then on the PyTorch path. Loaded by this package, and from their own code where attnres is not
+    installed (there their code, which predates `PACKAGED`, finds no kernels and runs PyTorch)."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
+    expected = torch.load(FIXTURES / "expected_logits.pt")
+    model = AttnResForCausalLM.from_pretrained(FIXTURES / checkpoint).eval()
+    assert model.config.block_size == 1
+    with torch.no_grad():
+        assert torch.equal(model(expected["ids"]).logits, expected[checkpoint])
+
+    require_venv_without_attnres()
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(FIXTURES / checkpoint)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        expected = torch.load({str(FIXTURES / "expected_logits.pt")!r})
+        with torch.no_grad():
+            print("MAX_DIFF", (model(expected["ids"]).logits - expected[{checkpoint!r}]).abs().max().item())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATTNRES_DEPTH_KERNEL")}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [str(VENV_WITHOUT_ATTNRES), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("MAX_DIFF")]
+    assert float(line.split()[1]) <= 1e-6  # another Transformers (5.19) over the same torch
