@@ -35,7 +35,15 @@ from .architectures import (
     is_depth_parameter,
     source_architecture,
 )
-from .sources import SAFETENSORS_INDEX, LocalSource, copy_carried_files, resolve_source, source_config
+from .fla import FLA_ARCHITECTURE, FlaRenamer, fla_conversion_config, fla_is_importable, is_fla_config
+from .sources import (
+    SAFETENSORS_INDEX,
+    LocalSource,
+    copy_carried_files,
+    raw_source_config,
+    resolve_source,
+    source_config,
+)
 from .verify import DEFAULT_TEXT_TOKENS, Tolerance, VerificationError, VerificationReport, verify_conversion
 
 
@@ -58,6 +66,8 @@ class ConversionReport:
     carried_files: list[str] = field(default_factory=list)
     seconds: float = 0.0
     verification: VerificationReport | None = None
+    # Why the verification did not run, when it was asked for and could not (an FLA source without FLA).
+    unverified_reason: str | None = None
 
     def format(self) -> str:
         lines = [
@@ -73,6 +83,8 @@ class ConversionReport:
         ]
         if self.verification is not None:
             lines.append(self.verification.format())
+        elif self.unverified_reason is not None:
+            lines.append(f"Not verified: {self.unverified_reason}.")
         else:
             lines.append("Verification skipped.")
         return "\n".join(lines)
@@ -84,7 +96,7 @@ def convert(
     source: str | os.PathLike,
     destination: str | os.PathLike,
     *,
-    mode: str = "block",
+    mode: str | None = None,
     block_size: int | None = None,
     dtype: torch.dtype | str | None = None,
     verify: bool = True,
@@ -143,9 +155,16 @@ def convert(
     )
     dtype = _as_dtype("dtype", dtype)
     verify_dtype = _as_dtype("verify_dtype", verify_dtype)
-    preflight = source_config(located, revision)
-    if preflight is not None:  # the architecture and the block size, before any weight is read
-        attnres_config(preflight, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
+    fla_source = raw_source_config(located, revision)
+    if fla_source is not None and not is_fla_config(fla_source):
+        fla_source = None
+    if fla_source is not None:  # FLA's AttnRes model: its residual comes with it, refusals before any weight
+        fla_target = fla_conversion_config(fla_source, mode=mode, block_size=block_size)
+    else:
+        mode = mode or "block"
+        preflight = source_config(located, revision)
+        if preflight is not None:  # the architecture and the block size, before any weight is read
+            attnres_config(preflight, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
     destination.parent.mkdir(parents=True, exist_ok=True)
 
     work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
@@ -154,11 +173,15 @@ def convert(
         staging.mkdir()
         output.mkdir()
         resolved = resolve_source(located, staging=staging, description=str(source), revision=revision)
-        original_config = AutoConfig.from_pretrained(resolved.folder)
-        architecture = source_architecture(original_config).name
-        config = attnres_config(original_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
+        if fla_source is not None:
+            architecture, config, rename = f"FLA {FLA_ARCHITECTURE}", fla_target, FlaRenamer(fla_target)
+        else:
+            original_config = AutoConfig.from_pretrained(resolved.folder)
+            architecture = source_architecture(original_config).name
+            config = attnres_config(original_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
+            rename = TensorRenamer(config)
         num_tensors, num_shards, depth_parameters, model_dtype = write_weights(
-            resolved, config, output, dtype=dtype, progress=progress
+            resolved, config, output, rename, dtype=dtype, progress=progress
         )
         config.dtype = model_dtype
         carried = copy_carried_files(resolved, output)
@@ -169,18 +192,23 @@ def convert(
             source=resolved.description,
             destination=str(destination),
             architecture=architecture,
-            residual_mode=mode,
+            residual_mode=config.residual_mode,
             block_size=config.depth_block_size,
             num_blocks=math.ceil(config.num_sublayers / config.depth_block_size),
             num_sublayers=config.num_sublayers,
-            exact_retrofit=exact_retrofit,
+            exact_retrofit=config.exact_retrofit,
             dtype=str(model_dtype).removeprefix("torch."),
             num_tensors=num_tensors,
             num_shards=num_shards,
             depth_parameters=depth_parameters,
             carried_files=carried,
         )
-        if verify:
+        if verify and fla_source is not None and not fla_is_importable():
+            report.unverified_reason = (
+                "FLA (flash-linear-attention) is not importable here, so only the weights were mapped; install it to "
+                "verify against FLA's own forward"
+            )
+        elif verify:
             report.verification = verify_conversion(
                 resolved.folder,
                 output,
@@ -189,6 +217,7 @@ def convert(
                 weights_dtype=dtype,
                 text=text,
                 max_text_tokens=max_text_tokens,
+                source_generates_with_cache=fla_source is None,
             )
             if not report.verification.passed:
                 report.seconds = time.perf_counter() - started
@@ -208,6 +237,7 @@ def write_weights(
     source: LocalSource,
     config: AttnResConfig,
     output: Path,
+    rename: "TensorRenamer | FlaRenamer",
     *,
     dtype: torch.dtype | None = None,
     progress: bool = True,
@@ -215,15 +245,16 @@ def write_weights(
     """Stream the source shards into AttnRes shards in `output`, one shard in memory at a time.
 
     Every tensor the AttnRes model expects must come from the source with the expected shape, except the new
-    depth-mixing parameters, which are added to the last shard; any source tensor without a counterpart is an error
-    rather than silently dropped. Returns (tensors written, shards written, depth parameters added, model dtype).
+    depth-mixing parameters of a Transformers source, which are added to the last shard (an FLA source has its own);
+    any source tensor without a counterpart is an error rather than silently dropped. `rename` maps the source's
+    names. Returns (tensors written, shards written, depth parameters added, model dtype).
     """
     with torch.device("meta"):
         expected = {name: tensor.shape for name, tensor in AttnResForCausalLM(config).state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 
-    rename = TensorRenamer(config)
+    adds_depth_parameters = isinstance(rename, TensorRenamer)
     shards = source.shards()
     written: dict[str, torch.dtype] = {}
     parts: list[tuple[Path, list[str], int]] = []
@@ -242,7 +273,7 @@ def write_weights(
             rename.finish()
             model_dtype = written.get("model.embed_tokens.weight", dtype or torch.float32)
             for name, shape in expected.items():
-                if name not in written and is_depth_parameter(name):
+                if adds_depth_parameters and name not in written and is_depth_parameter(name):
                     tensors[name] = initial_depth_parameter(name, shape, model_dtype)
                     written[name] = model_dtype
         if tensors:
@@ -256,6 +287,8 @@ def write_weights(
         raise ConversionError(f"{source.description} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}.")
     _name_shards(parts, output)
     depth_parameters = sum(expected[name].numel() for name in expected if is_depth_parameter(name))
+    if not adds_depth_parameters:
+        depth_parameters = 0
     return len(written), len(parts), depth_parameters, model_dtype
 
 
@@ -308,7 +341,7 @@ def _check_arguments(
 ) -> tuple[ModelSource, Path]:
     """Every check that needs no model: the options, SRC's existence and kind, and DST's safety. Returns where SRC
     is and DST as an absolute path."""
-    if mode not in RESIDUAL_MODES:
+    if mode is not None and mode not in RESIDUAL_MODES:
         raise ConversionError(f"mode={mode!r}: must be one of {', '.join(map(repr, RESIDUAL_MODES))}")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule()}")

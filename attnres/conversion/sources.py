@@ -97,6 +97,23 @@ def source_config(source: ModelSource, revision: str | None = None) -> PreTraine
     return AutoConfig.from_pretrained(Path(hf_hub_download(source.location, "config.json", revision=revision)).parent)
 
 
+def raw_source_config(source: ModelSource, revision: str | None = None) -> dict | None:
+    """The source's `config.json` as written, for the configs Transformers cannot read without their own package
+    (FLA's); None for a GGUF file, whose config is in its metadata."""
+    from huggingface_hub import hf_hub_download
+
+    if source.kind == "gguf" or source.gguf_file is not None:
+        return None
+    if source.kind == "folder":
+        path = Path(source.location) / "config.json"
+    else:
+        path = Path(hf_hub_download(source.location, "config.json", revision=revision))
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"{path}: not a readable config.json ({error})") from None
+
+
 def resolve_source(source: ModelSource, *, staging: Path, description: str, revision: str | None = None) -> LocalSource:
     """Turn SRC into a local folder, downloading from the Hub or dequantising a GGUF file into `staging` if needed.
 
