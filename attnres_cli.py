@@ -1,4 +1,4 @@
-"""The `attnres` command line: convert, demo, eval, inspect, serve.
+"""The `attnres` command line: convert, demo, eval, export, inspect, serve.
 
 This module sits beside the `attnres` package rather than inside it: importing `attnres` registers the Auto classes,
 which imports torch and Transformers, seconds that `attnres --help` or a mistyped option should not cost. So every
@@ -128,10 +128,11 @@ def _fail(args: argparse.Namespace, error: BaseException) -> int:
 # --- convert and demo ---------------------------------------------------------------------------------------------
 
 
-def _add_conversion_options(parser: argparse.ArgumentParser, source: str) -> None:
-    parser.add_argument(
-        "--mode", choices=("block", "full"), default="block", help="Block AttnRes (default) or Full AttnRes"
-    )
+def _add_conversion_options(parser: argparse.ArgumentParser, source: str, mode_default: str | None = "block") -> None:
+    mode_help = "Block AttnRes (default) or Full AttnRes"
+    if mode_default is None:
+        mode_help = "Block AttnRes (default) or Full AttnRes; an FLA checkpoint keeps its own"
+    parser.add_argument("--mode", choices=("block", "full"), default=mode_default, help=mode_help)
     parser.add_argument(
         "--block-size",
         type=_integer(1, "a positive number of sublayers"),
@@ -163,13 +164,13 @@ def _add_conversion_options(parser: argparse.ArgumentParser, source: str) -> Non
 def _convert_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert",
-        help="retrofit a Llama / Mistral / Mixtral / Qwen2 checkpoint into AttnRes and verify it",
-        description="Convert SRC (a Transformers folder, a Hub id or a .gguf file) into an AttnRes checkpoint at DST. "
-        "The result is verified against SRC and written only if it matches.",
+        help="retrofit a Llama / Mistral / Mixtral / Qwen2 checkpoint into AttnRes, or read an FLA one, and verify it",
+        description="Convert SRC (a Transformers folder, a Hub id, a .gguf file, or an FLA AttnRes checkpoint) into "
+        "an AttnRes checkpoint at DST. The result is verified against SRC and written only if it matches.",
     )
     parser.add_argument("source", metavar="SRC")
     parser.add_argument("destination", metavar="DST")
-    _add_conversion_options(parser, "SRC")
+    _add_conversion_options(parser, "SRC", mode_default=None)
     parser.add_argument(
         "--dtype", choices=("float32", "float16", "bfloat16"), default=None, help="cast weights (default: keep)"
     )
@@ -205,6 +206,47 @@ def _verification_failed(args: argparse.Namespace, error: "VerificationError") -
     print(error.report.format(), file=sys.stderr)
     print(f"attnres {args.command}: error: {_first_line(error)}", file=sys.stderr)
     return EXIT_VERIFICATION_FAILED
+
+
+def _export_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write an AttnRes checkpoint in FLA's format and verify it",
+        description="Write the AttnRes checkpoint MODEL (a folder or a Hub id) at DST in another project's format: "
+        "--to fla gives FLA's TransformerForCausalLM. Verified with FLA's own model when FLA is importable, and "
+        "written only if it matches.",
+    )
+    parser.add_argument("model", metavar="MODEL")
+    parser.add_argument("destination", metavar="DST")
+    parser.add_argument("--to", choices=("fla",), required=True, help="the format: fla (flash-linear-attention)")
+    parser.add_argument(
+        "--drop-exact-retrofit",
+        action="store_true",
+        help="export a converted model with FLA's one eps for every norm, reporting how far the logits move",
+    )
+    parser.add_argument("--revision", default=None, help="Hub revision when MODEL is a Hub id")
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the equivalence check")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from attnres.conversion import VerificationError, export
+
+    try:
+        report = export(
+            args.model,
+            args.destination,
+            to=args.to,
+            drop_exact_retrofit=args.drop_exact_retrofit,
+            verify=args.verify,
+            overwrite=args.overwrite,
+            revision=args.revision,
+        )
+    except VerificationError as error:
+        return _verification_failed(args, error)
+    print(report.format())
+    return 0
 
 
 def _demo_command(subparsers: argparse._SubParsersAction) -> None:
@@ -511,6 +553,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _convert_command,
     _demo_command,
     _eval_command,
+    _export_command,
     _inspect_command,
     _serve_command,
 ]

@@ -17,6 +17,7 @@ if [ $# -eq 0 ]; then
     echo "[test] again on the lowest supported Transformers ($(.engines/lowest/bin/python -c 'import transformers; print(transformers.__version__)')):" \
         "the model, generation, remote-code and conversion tests"
     .engines/lowest/bin/python -m pytest -q -p no:cacheprovider \
-        tests/test_modeling.py tests/test_transformers_integration.py tests/test_conversion.py || status=$?
+        tests/test_modeling.py tests/test_transformers_integration.py tests/test_conversion.py tests/test_remote_code.py \
+        || status=$?
 fi
 exit "$status"

@@ -29,7 +29,9 @@ def _attention(q, k, v, causal: bool, window_size, softmax_scale):
         allowed &= j >= i - left
     if right >= 0:
         allowed &= j <= i + right
-    out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=allowed, scale=softmax_scale)
+    out = F.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), attn_mask=allowed, scale=softmax_scale
+    )
     return out.transpose(1, 2)
 
 
@@ -38,15 +40,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), **kwargs,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **kwargs,
 ):
     out = torch.empty_like(q)
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
         if q1 > q0:
-            out[q0:q1] = _attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, tuple(window_size),
-                                    softmax_scale)[0]
+            out[q0:q1] = _attention(
+                q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, tuple(window_size), softmax_scale
+            )[0]
     return out
 
 

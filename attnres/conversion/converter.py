@@ -110,15 +110,16 @@ def convert(
     max_text_tokens: int = DEFAULT_TEXT_TOKENS,
     progress: bool = True,
 ) -> ConversionReport:
-    """Convert a Llama / Mistral / Mixtral / Qwen2 checkpoint into an AttnRes checkpoint at `destination`.
+    """Convert a Llama / Mistral / Mixtral / Qwen2 checkpoint, or an FLA AttnRes one (`fla.py`), into an AttnRes
+    checkpoint at `destination`.
 
     Args:
         source: a local Transformers folder (safetensors), a local `.gguf` file, or a Hub repository id. Never
             modified.
         destination: the folder to create. Refused if it exists, unless `overwrite`; replaced only after the new
             checkpoint is complete and verified.
-        mode: `"block"` (Block AttnRes), `"full"` (Full AttnRes), or `"standard"` (a PreNorm baseline in AttnRes
-            format).
+        mode: `"block"` (Block AttnRes, the default), `"full"` (Full AttnRes), or `"standard"` (a PreNorm baseline in
+            AttnRes format); an FLA checkpoint keeps its own, and another is refused.
         block_size: Block AttnRes block size in sublayers; defaults to the config's, blocks of whole layers, about 8.
         dtype: cast floating-point weights to this dtype; by default every tensor keeps its dtype (GGUF files are
             dequantised to float32).

@@ -147,8 +147,10 @@ def check_fla_exportable(config: AttnResConfig, drop_exact_retrofit: bool) -> No
     if config.is_moe:
         raise refuse("num_local_experts", "FLA's Transformer has a dense MLP only (0 experts)")
     if config.head_dim * config.num_attention_heads != config.hidden_size:
-        raise refuse("head_dim", f"FLA's is hidden_size / num_attention_heads = "
-                     f"{config.hidden_size // config.num_attention_heads}")
+        raise refuse(
+            "head_dim",
+            f"FLA's is hidden_size / num_attention_heads = {config.hidden_size // config.num_attention_heads}",
+        )
     if config.attention_bias or config.mlp_bias:
         raise refuse("attention_bias" if config.attention_bias else "mlp_bias", "FLA has biases on q, k, v only")
     if config.hidden_act != "silu":
