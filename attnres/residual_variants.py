@@ -195,11 +195,15 @@ def sinkhorn_knopp(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     Rows come last, so `H_res @ 1 = 1` holds exactly: with `H'_i = sum_j H_res[i, j] H_j` every new stream is a convex
     combination of the old ones. The columns sum to 1 up to the iteration's residual error.
 
-    The per-matrix maximum is subtracted first: it scales the matrix by a constant, which the first column
-    normalisation removes exactly, and keeps `exp` finite whatever the logits.
+    The first iteration runs on `log M`, each normalisation a log-softmax: in the linear domain an entry more than
+    about 88 below its matrix's largest underflows to 0 in fp32, and a column of zeros turns T_c into 0 / 0 (at logit
+    std 32, one matrix in a hundred). After it every column holds an entry of at least 1 / n^2 and every row one of at
+    least 1 / n, and each later T_c, T_r keeps that, so the remaining iterations run in the linear domain (cheaper:
+    a sum instead of a log-sum-exp) and never divide by zero; an entry they flush to zero is one whose exact value is
+    far below fp32's resolution of the others.
     """
-    matrix = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iterations):
+    matrix = torch.log_softmax(torch.log_softmax(logits, dim=-2), dim=-1).exp()  # T_r(T_c(exp(logits))), exactly
+    for _ in range(iterations - 1):
         matrix = matrix / matrix.sum(dim=-2, keepdim=True)  # T_c
         matrix = matrix / matrix.sum(dim=-1, keepdim=True)  # T_r
     return matrix
