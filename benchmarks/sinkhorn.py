@@ -55,13 +55,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.manual_seed(0)
     config = AttnResConfig(
-        vocab_size=256, hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.layers, num_attention_heads=4, residual_mode="mhc",
+        vocab_size=256,
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        residual_mode="mhc",
     )
     model = AttnResForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(256, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0))
-    implementations = {"log-domain first iteration (model)": residual_variants.sinkhorn_knopp, "linear domain": linear_domain_sinkhorn}
+    implementations = {
+        "log-domain first iteration (model)": residual_variants.sinkhorn_knopp,
+        "linear domain": linear_domain_sinkhorn,
+    }
     times = {name: [] for name in implementations}
     for _ in range(3):  # warm-up, both
         for function in implementations.values():
@@ -76,15 +83,24 @@ def main(argv: list[str] | None = None) -> dict:
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = [log / lin for log, lin in zip(times["log-domain first iteration (model)"], times["linear domain"])]
     quartiles = statistics.quantiles(ratios, n=4)
-    print(f"mHC training step, {args.layers} layers, width {args.hidden_size}, {args.batch_size}x{args.seq_len} tokens,"
-          f" {args.rounds} interleaved rounds, {torch.get_num_threads()} threads")
+    print(
+        f"mHC training step, {args.layers} layers, width {args.hidden_size}, {args.batch_size}x{args.seq_len} tokens,"
+        f" {args.rounds} interleaved rounds, {torch.get_num_threads()} threads"
+    )
     print("| Sinkhorn | median step (ms) |\n|---|---|")
     for name, median in medians.items():
         print(f"| {name} | {1e3 * median:.1f} |")
-    print(f"model / linear per round: median {statistics.median(ratios):.3f} (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})")
+    print(
+        f"model / linear per round: median {statistics.median(ratios):.3f} (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})"
+    )
     report = {
-        "settings": vars(args) | {"threads": torch.get_num_threads(), "sinkhorn_iterations": config.sinkhorn_iterations},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
+        "settings": vars(args)
+        | {"threads": torch.get_num_threads(), "sinkhorn_iterations": config.sinkhorn_iterations},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "median_seconds": medians,
         "ratio_median": statistics.median(ratios),
         "ratio_quartiles": [quartiles[0], quartiles[2]],

@@ -44,7 +44,14 @@ from .sources import (
     resolve_source,
     source_config,
 )
-from .verify import DEFAULT_TEXT_TOKENS, Tolerance, VerificationError, VerificationReport, verify_conversion
+from .verify import (
+    DEFAULT_TEXT_TOKENS,
+    Tolerance,
+    VerificationError,
+    VerificationReport,
+    verification_summary,
+    verify_conversion,
+)
 
 
 @dataclass
@@ -81,12 +88,7 @@ class ConversionReport:
             f"  carried over    {', '.join(self.carried_files) or '-'}",
             f"  time            {self.seconds:.1f} s",
         ]
-        if self.verification is not None:
-            lines.append(self.verification.format())
-        elif self.unverified_reason is not None:
-            lines.append(f"Not verified: {self.unverified_reason}.")
-        else:
-            lines.append("Verification skipped.")
+        lines.append(verification_summary(self.verification, self.unverified_reason))
         return "\n".join(lines)
 
     __str__ = format

@@ -23,7 +23,7 @@ from .architectures import ConversionError
 from .converter import _check_destination, _publish
 from .fla import FLA_ARCHITECTURE, check_fla_exportable, fla_config, fla_is_importable, fla_names, is_fla_query
 from .sources import copy_carried_files, resolve_source
-from .verify import Tolerance, VerificationError, VerificationReport, verify_conversion
+from .verify import Tolerance, VerificationError, VerificationReport, verification_summary, verify_conversion
 
 
 FORMATS = ("fla",)
@@ -63,12 +63,7 @@ class ExportReport:
                 f"{self.retrofit_deviation:.3e} on {_DEVIATION_PROBE[0]}x{_DEVIATION_PROBE[1]} random tokens"
             )
         lines.append(f"  time            {self.seconds:.1f} s")
-        if self.verification is not None:
-            lines.append(self.verification.format())
-        elif self.unverified_reason is not None:
-            lines.append(f"Not verified: {self.unverified_reason}.")
-        else:
-            lines.append("Verification skipped.")
+        lines.append(verification_summary(self.verification, self.unverified_reason))
         return "\n".join(lines)
 
     __str__ = format

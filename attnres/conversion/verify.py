@@ -203,6 +203,15 @@ def _run(model: PreTrainedModel, probes: _Probes, generation_config: GenerationC
     return _Outputs(logits, nll, generations, margins)
 
 
+def verification_summary(report: VerificationReport | None, unverified_reason: str | None = None) -> str:
+    """The verification's part of a conversion's or an export's report: its findings, or why there are none."""
+    if report is not None:
+        return report.format()
+    if unverified_reason is not None:
+        return f"Not verified: {unverified_reason}."
+    return "Verification skipped."
+
+
 def verify_conversion(
     source: str | Path,
     converted: str | Path,
