@@ -495,7 +495,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row for row in variants(args) if row.name in args.variants]
     train_split, validation_split = load_splits(args.data_dir)
     validation = validation_batches(validation_split, args)
-    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    # Settings, not where this machine keeps its files (the data is identified by its digest).
+    settings = {key: value for key, value in vars(args).items() if not isinstance(value, Path)}
     report = {"settings": settings, "torch": torch.__version__, "variants": [asdict(row) for row in rows], "runs": []}
     # Seed by seed, so that an interrupted run has every variant of the seeds it finished.
     for seed in args.seeds:

@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
                 token_stream(tokenizer, [plays[args.held_out_play]]), args.seq_len, args.held_out_windows
             ),
         )
-        settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        # Settings, not where this machine keeps its files.
+        settings = {key: value for key, value in vars(args).items() if not isinstance(value, Path)}
         settings["source_description"] = description
         counts = {}
         for arm in args.arms:
