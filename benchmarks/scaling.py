@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
     training = args.training
     if args.from_json is not None:
         reports = [json.loads(path.read_text()) for path in args.from_json]
-        report = {**reports[0], "runs": [run for r in reports for run in r["runs"]]}
+        runs = [run for r in reports for run in r["runs"]]
+        report = {**reports[0], "runs": runs}
+        report["settings"] = {**reports[0]["settings"], "seeds": sorted({run["seed"] for run in runs})}
         keys = [(r["variant"], r["seed"], r["budget"]) for r in report["runs"]]
         if len(keys) != len(set(keys)):
             raise SystemExit("the reports share a run (same arm, seed and budget)")
