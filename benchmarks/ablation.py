@@ -46,12 +46,14 @@ import hashlib
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres.analysis.profiles import depth_profile
@@ -445,6 +447,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name not in known:
             parser.error(f"unknown variant {name!r}; choose from {', '.join(sorted(known))}")
     return args
+
+
+def new_report(args: argparse.Namespace, **extra) -> dict:
+    """An empty report of the runners built on this one (`scaling.py`, `continued_pretraining.py`): the settings,
+    without where this machine keeps its files, and the versions."""
+    settings = {key: value for key, value in vars(args).items() if not isinstance(value, Path)} | extra
+    versions = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    return {"settings": settings, "versions": versions, "runs": []}
+
+
+def merged_by_seed(paths: list[Path], key) -> dict:
+    """One report from those of seeds run apart (same settings); refuses a run found twice (same `key(run)`)."""
+    reports = [json.loads(path.read_text()) for path in paths]
+    runs = [run for report in reports for run in report["runs"]]
+    keys = [key(run) for run in runs]
+    if len(keys) != len(set(keys)):
+        raise SystemExit(f"the reports share a run: {sorted(k for k in keys if keys.count(k) > 1)[0]}")
+    settings = {**reports[0]["settings"], "seeds": sorted({run["seed"] for run in runs})}
+    return {**reports[0], "settings": settings, "runs": runs}
 
 
 # Settings that may differ between reports merged into one: where they ran and which seeds.

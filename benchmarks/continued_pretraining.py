@@ -22,12 +22,10 @@ import argparse
 import copy
 import json
 import math
-import platform
 import statistics
 from pathlib import Path
 
 import torch
-import transformers
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from benchmarks import ablation
@@ -143,25 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     training = args.training
     if args.from_json is not None:
-        reports = [json.loads(path.read_text()) for path in args.from_json]
-        runs = [run for r in reports for run in r["runs"]]
-        report = {**reports[0], "runs": runs}
-        report["settings"] = {**reports[0]["settings"], "seeds": sorted({run["seed"] for run in runs})}
+        report = ablation.merged_by_seed(args.from_json, key=lambda run: (run["arm"], run["seed"], run["lr"]))
         print(write_outputs(report, args.output_dir, args.name, final=True))
         return report
     if training.threads:
         torch.set_num_threads(training.threads)
-    settings = {key: value for key, value in vars(training).items() if not isinstance(value, Path)}
-    settings |= {"continue_steps": args.continue_steps, "lrs": args.lrs}
-    report = {
-        "settings": settings,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-        "runs": [],
-    }
+    report = ablation.new_report(training, continue_steps=args.continue_steps, lrs=args.lrs)
     rows = {row.name: row for row in ablation.variants(training)}
     train_split, validation_split = ablation.load_splits(training.data_dir)
     windows = ablation.validation_batches(validation_split, training)

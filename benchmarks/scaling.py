@@ -30,14 +30,12 @@ compute, the fit and AttnRes's points) to `--output-dir` (default `benchmarks/re
 import argparse
 import json
 import math
-import platform
 import random
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import transformers
 
 from benchmarks import ablation
 
@@ -258,28 +256,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     training = args.training
     if args.from_json is not None:
-        reports = [json.loads(path.read_text()) for path in args.from_json]
-        runs = [run for r in reports for run in r["runs"]]
-        report = {**reports[0], "runs": runs}
-        report["settings"] = {**reports[0]["settings"], "seeds": sorted({run["seed"] for run in runs})}
-        keys = [(r["variant"], r["seed"], r["budget"]) for r in report["runs"]]
-        if len(keys) != len(set(keys)):
-            raise SystemExit("the reports share a run (same arm, seed and budget)")
+        report = ablation.merged_by_seed(args.from_json, key=lambda run: (run["variant"], run["seed"], run["budget"]))
         print(write_outputs(report, args.output_dir, args.name, final=True))
         return report
     if training.threads:
         torch.set_num_threads(training.threads)
-    settings = {key: value for key, value in vars(training).items() if not isinstance(value, Path)}
-    settings |= {"budgets": args.budgets, "arms": args.arms}
-    report = {
-        "settings": settings,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-        "runs": [],
-    }
+    report = ablation.new_report(training, budgets=args.budgets, arms=args.arms)
+    settings = report["settings"]
     smallest = args.budgets[0]
     reused = reused_runs(args.reuse_ablation, training, training.seeds, smallest) if args.reuse_ablation else []
     done = {(r["variant"], r["seed"]) for r in reused if r["variant"] in ("baseline", *args.arms)}

@@ -90,9 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("| Sinkhorn | median step (ms) |\n|---|---|")
     for name, median in medians.items():
         print(f"| {name} | {1e3 * median:.1f} |")
-    print(
-        f"model / linear per round: median {statistics.median(ratios):.3f} (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})"
-    )
+    low, high = quartiles[0], quartiles[2]
+    print(f"model / linear per round: median {statistics.median(ratios):.3f} (quartiles {low:.3f}-{high:.3f})")
     report = {
         "settings": vars(args)
         | {"threads": torch.get_num_threads(), "sinkhorn_iterations": config.sinkhorn_iterations},
