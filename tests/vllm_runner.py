@@ -6,8 +6,8 @@
 JOBS.json is a list of jobs, `{"model": DIR, "enforce_eager": bool, "skip_tokenizer_init": bool, "prompts": [[token
 ids], ...], "max_tokens": n}`; RESULTS.json gets, per job, the greedy token ids of each prompt (all prompts in one
 `generate` call, so vLLM schedules them into shared flattened batches over its paged KV cache), the most sequences
-one forward pass computed, and what the process had imported: whether `attnres` (the installed package) was, and the
-checkpoint's own modeling module. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni`
+one forward pass computed, the classes of a decoder layer's modules as the backend left them, and what the process
+had imported: whether `attnres` (the installed package) was, and the checkpoint's own modeling module. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni`
 executor) so that this is the process that ran the model.
 """
 
@@ -25,12 +25,14 @@ def count_sequences(module, args, kwargs) -> None:
     module.max_sequences_per_forward = max(getattr(module, "max_sequences_per_forward", 0), sequences)
 
 
-def watch_batches(model) -> str:
+def watch_batches(model) -> tuple[str, dict[str, str]]:
     """Run in the worker: vLLM's backend holds the checkpoint's base model as `model.model`, whose first decoder
     layer gets the positions of every forward pass (the base model's own call goes through vLLM's compile wrapper,
-    which skips hooks)."""
+    which skips hooks). Returns the base model's class and the classes of the last decoder layer's modules by name,
+    after the backend swapped in its own (fused projections, norms)."""
     model.model.layers[0].register_forward_pre_hook(count_sequences, with_kwargs=True)
-    return type(model.model).__name__
+    layer_modules = {name: type(module).__name__ for name, module in model.model.layers[-1].named_modules()}
+    return type(model.model).__name__, layer_modules
 
 
 def sequences_seen(model) -> int:
@@ -52,7 +54,7 @@ def run_job(job: dict) -> dict:
         skip_tokenizer_init=job["skip_tokenizer_init"],
         seed=0,
     )
-    (model_class,) = llm.apply_model(watch_batches)
+    ((model_class, layer_modules),) = llm.apply_model(watch_batches)
     sampling = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in job["prompts"]], sampling, use_tqdm=False)
     (max_sequences_per_forward,) = llm.apply_model(sequences_seen)
@@ -61,6 +63,7 @@ def run_job(job: dict) -> dict:
     return {
         "token_ids": [list(output.outputs[0].token_ids) for output in outputs],
         "model_class": model_class,
+        "layer_modules": layer_modules,
         "max_sequences_per_forward": max_sequences_per_forward,
         "attnres_imported": "attnres" in sys.modules,
         "remote_modeling_imported": any(name.endswith(".modeling_attnres") for name in sys.modules),
