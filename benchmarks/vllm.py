@@ -147,7 +147,9 @@ def run_mode(mode: str, models: dict, args, work: Path) -> dict:
         return {
             "startup_seconds": {name: engine.started["startup_seconds"] for name, engine in engines.items()},
             "dynamo_after_startup": {name: engine.started["dynamo"] for name, engine in engines.items()},
-            "compile_phase_seconds": {name: engine.started["compile_phase_seconds"] for name, engine in engines.items()},
+            "compile_phase_seconds": {
+                name: engine.started["compile_phase_seconds"] for name, engine in engines.items()
+            },
             "dynamo_after_run": final,
             "batches": by_batch,
         }

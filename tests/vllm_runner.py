@@ -7,8 +7,9 @@ JOBS.json is a list of jobs, `{"model": DIR, "enforce_eager": bool, "skip_tokeni
 ids], ...], "max_tokens": n}`; RESULTS.json gets, per job, the greedy token ids of each prompt (all prompts in one
 `generate` call, so vLLM schedules them into shared flattened batches over its paged KV cache), the most sequences
 one forward pass computed, the classes of a decoder layer's modules as the backend left them, and what the process
-had imported: whether `attnres` (the installed package) was, and the checkpoint's own modeling module. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni`
-executor) so that this is the process that ran the model.
+had imported: whether `attnres` (the installed package) was, and the checkpoint's own modeling module. The engine
+runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) so that this is the process that ran
+the model.
 """
 
 import gc
