@@ -158,7 +158,7 @@ def test_vllm_from_remote_code_alone_equals_generate(remote_code_runs, run):
 
 
 @pytest.mark.parametrize("run", REMOTE_CODE_RUNS[:2] + REMOTE_CODE_RUNS[-1:], ids=["smollm2", "tiny-block", "tiny-moe"])
-def test_vllm_fuses_the_projections_and_swaps_the_norms_as_for_llama(remote_code_runs, run):
+def test_vllm_fuses_the_projections_and_swaps_in_its_norms(remote_code_runs, run):
     """The backend fuses q/k/v into one projection (and a dense MLP's gate/up into another) only in a forward it can
     trace with fx; a decorated forward it cannot trace keeps three GEMMs per attention sublayer."""
     _, result = remote_code_runs[run]
