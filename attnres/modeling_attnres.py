@@ -348,10 +348,11 @@ class AttnResModel(AttnResPreTrainedModel):
         keeps_all = isinstance(logits_to_keep, int) and not 0 < logits_to_keep < inputs_embeds.shape[1]
         output_state = depth_state if keeps_all else depth_state.at_positions(logits_to_keep)
         hidden_states = pre_norm(self.norm, self.output_residual(output_state, depth_context))
-        if record_inputs and not keeps_all:
-            self.recorded_output(pre_norm(self.norm, self.output_residual(depth_state, depth_context)))
-        elif record_inputs:
-            self.recorded_output(hidden_states)
+        if record_inputs:
+            recorded = hidden_states
+            if not keeps_all:
+                recorded = pre_norm(self.norm, self.output_residual(depth_state, depth_context))
+            self.recorded_output(recorded)
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
 

@@ -229,6 +229,22 @@ def validation_loss(model: AttnResForCausalLM, batches: list[torch.Tensor], devi
     return total / count
 
 
+def training_step(
+    model: AttnResForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float
+) -> torch.Tensor:
+    """One step of the recipe at learning rate `lr`: next-byte cross entropy, AdamW, gradients clipped to norm 1.
+    Returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    logits = model(batch[:, :-1], use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
 def train(
     variant: Variant,
     seed: int,
@@ -255,15 +271,7 @@ def train(
     training_time, smoothed = 0.0, None
     for step, batch in enumerate(batches):
         started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        batch = batch.to(args.device)
-        logits = model(batch[:, :-1], use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = training_step(model, optimizer, batch.to(args.device), learning_rate(step, args))
         value = loss.item()  # synchronises, so the timing below is the step's
         training_time += time.perf_counter() - started
         smoothed = value if smoothed is None else 0.9 * smoothed + 0.1 * value
@@ -449,10 +457,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def recorded_settings(args: argparse.Namespace) -> dict:
+    """The settings a report records: every argument but where this machine keeps its files (the data is identified
+    by its digest)."""
+    return {key: value for key, value in vars(args).items() if not isinstance(value, Path)}
+
+
 def new_report(args: argparse.Namespace, **extra) -> dict:
-    """An empty report of the runners built on this one (`scaling.py`, `continued_pretraining.py`): the settings,
-    without where this machine keeps its files, and the versions."""
-    settings = {key: value for key, value in vars(args).items() if not isinstance(value, Path)} | extra
+    """An empty report of the runners built on this one (`scaling.py`, `continued_pretraining.py`): the settings
+    (`recorded_settings`) and the versions."""
+    settings = recorded_settings(args) | extra
     versions = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -520,9 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row for row in variants(args) if row.name in args.variants]
     train_split, validation_split = load_splits(args.data_dir)
     validation = validation_batches(validation_split, args)
-    # Settings, not where this machine keeps its files (the data is identified by its digest).
-    settings = {key: value for key, value in vars(args).items() if not isinstance(value, Path)}
-    report = {"settings": settings, "torch": torch.__version__, "variants": [asdict(row) for row in rows], "runs": []}
+    report = {"settings": recorded_settings(args), "torch": torch.__version__, "variants": [asdict(row) for row in rows], "runs": []}
     # Seed by seed, so that an interrupted run has every variant of the seeds it finished.
     for seed in args.seeds:
         batches = training_batches(train_split, args, seed)

@@ -65,14 +65,7 @@ def continue_training(
     optimizer = ablation.optimizer_for(model, args)
     model.train()
     for step, batch in enumerate(batches):
-        for group in optimizer.param_groups:
-            group["lr"] = ablation.learning_rate(step, args)
-        logits = model(batch[:, :-1], use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        ablation.training_step(model, optimizer, batch, ablation.learning_rate(step, args))
     return model
 
 

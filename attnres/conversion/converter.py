@@ -35,7 +35,14 @@ from .architectures import (
     is_depth_parameter,
     source_architecture,
 )
-from .fla import FLA_ARCHITECTURE, FlaRenamer, fla_conversion_config, fla_is_importable, is_fla_config
+from .fla import (
+    FLA_ARCHITECTURE,
+    FLA_NOT_IMPORTABLE,
+    FlaRenamer,
+    fla_conversion_config,
+    fla_is_importable,
+    is_fla_config,
+)
 from .sources import (
     SAFETENSORS_INDEX,
     LocalSource,
@@ -207,10 +214,7 @@ def convert(
             carried_files=carried,
         )
         if verify and fla_source is not None and not fla_is_importable():
-            report.unverified_reason = (
-                "FLA (flash-linear-attention) is not importable here, so only the weights were mapped; install it to "
-                "verify against FLA's own forward"
-            )
+            report.unverified_reason = FLA_NOT_IMPORTABLE
         elif verify:
             report.verification = verify_conversion(
                 resolved.folder,
@@ -289,9 +293,9 @@ def write_weights(
     if missing:
         raise ConversionError(f"{source.description} lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}.")
     _name_shards(parts, output)
-    depth_parameters = sum(expected[name].numel() for name in expected if is_depth_parameter(name))
-    if not adds_depth_parameters:
-        depth_parameters = 0
+    depth_parameters = 0
+    if adds_depth_parameters:
+        depth_parameters = sum(expected[name].numel() for name in expected if is_depth_parameter(name))
     return len(written), len(parts), depth_parameters, model_dtype
 
 

@@ -21,7 +21,15 @@ from ..inputs import check_model_source
 from ..modeling_attnres import AttnResForCausalLM
 from .architectures import ConversionError
 from .converter import _check_destination, _publish
-from .fla import FLA_ARCHITECTURE, check_fla_exportable, fla_config, fla_is_importable, fla_names, is_fla_query
+from .fla import (
+    FLA_ARCHITECTURE,
+    FLA_NOT_IMPORTABLE,
+    check_fla_exportable,
+    fla_config,
+    fla_is_importable,
+    fla_names,
+    is_fla_query,
+)
 from .sources import copy_carried_files, resolve_source
 from .verify import Tolerance, VerificationError, VerificationReport, verification_summary, verify_conversion
 
@@ -150,10 +158,7 @@ def export(
         )
         del source, state, tensors
         if verify and not fla_is_importable():
-            report.unverified_reason = (
-                "FLA (flash-linear-attention) is not importable here, so only the weights were mapped; install it to "
-                "verify with FLA's own forward"
-            )
+            report.unverified_reason = FLA_NOT_IMPORTABLE
         elif verify:
             report.verification = verify_conversion(
                 output, reference_folder, tolerance=tolerance, source_generates_with_cache=False

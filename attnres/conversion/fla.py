@@ -23,10 +23,12 @@ FLA_MODEL_TYPE = "transformer"
 FLA_ARCHITECTURE = "TransformerForCausalLM"
 # The config field only FLA's AttnRes families have: a config with it is read as FLA's.
 FLA_BLOCK_FIELD = "attnres_block_size"
-# The fields of FLA's `TransformerConfig` that change no weight nor the forward pass's logits: its kernel choices and
-# a training-only logit regulariser.
-_FLA_KERNEL_FIELDS = ("fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp")
 _FLA_ACTIVATIONS = ("swish", "silu")
+# What a conversion's or an export's report says when FLA is not there to verify against.
+FLA_NOT_IMPORTABLE = (
+    "FLA (flash-linear-attention) is not importable here, so only the weights were mapped; install it to verify "
+    "against FLA's own forward"
+)
 
 
 def is_fla_config(config: Mapping) -> bool:
@@ -206,18 +208,18 @@ def fla_names(config: AttnResConfig) -> dict[str, str]:
     names["model.res_norm.weight"] = "model.output_residual.query.key_norm_weight"
     biases = ("q", "k", "v") if config.qkv_bias else ()
     for i in range(config.num_hidden_layers):
-        fla, ours = f"model.layers.{i}.", f"model.layers.{i}."
-        names[fla + "attn_norm.weight"] = ours + "input_layernorm.weight"
-        names[fla + "mlp_norm.weight"] = ours + "post_attention_layernorm.weight"
+        layer = f"model.layers.{i}."  # the same prefix in both
+        names[layer + "attn_norm.weight"] = layer + "input_layernorm.weight"
+        names[layer + "mlp_norm.weight"] = layer + "post_attention_layernorm.weight"
         for projection in ("q", "k", "v", "o"):
-            names[fla + f"attn.{projection}_proj.weight"] = ours + f"self_attn.{projection}_proj.weight"
+            names[layer + f"attn.{projection}_proj.weight"] = layer + f"self_attn.{projection}_proj.weight"
         for projection in biases:
-            names[fla + f"attn.{projection}_proj.bias"] = ours + f"self_attn.{projection}_proj.bias"
+            names[layer + f"attn.{projection}_proj.bias"] = layer + f"self_attn.{projection}_proj.bias"
         for projection in ("gate", "up", "down"):
-            names[fla + f"mlp.{projection}_proj.weight"] = ours + f"mlp.{projection}_proj.weight"
+            names[layer + f"mlp.{projection}_proj.weight"] = layer + f"mlp.{projection}_proj.weight"
         for sublayer in ("attn", "mlp"):
-            names[fla + f"{sublayer}_res_proj.weight"] = ours + f"{sublayer}_residual.query.pseudo_query"
-            names[fla + f"{sublayer}_res_norm.weight"] = ours + f"{sublayer}_residual.query.key_norm_weight"
+            names[layer + f"{sublayer}_res_proj.weight"] = layer + f"{sublayer}_residual.query.pseudo_query"
+            names[layer + f"{sublayer}_res_norm.weight"] = layer + f"{sublayer}_residual.query.key_norm_weight"
     return names
 
 
