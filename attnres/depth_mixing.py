@@ -20,7 +20,7 @@ from torch import nn
 from .depth_state import DepthContext, DepthMixer, DepthState, ResidualStream
 from .kernel_dispatch import depth_kernels
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import as_float32, cast, inverse_rms, phase2
+from .two_phase import as_float32, cast, inverse_rms
 
 
 try:
@@ -175,7 +175,7 @@ class DepthAttention(DepthMixer):
             pending = PendingInput(cast, kernels.phase1_rms_norm, (row, state.blocks[0].dtype))
         else:
             args = (row, lse, state.partial, self.step_query(state), self.eps)
-            pending = PendingInput(phase2, kernels.phase2_rms_norm, args)
+            pending = PendingInput(kernels.phase2, kernels.phase2_rms_norm, args)
         return pending
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from .two_phase import inverse_rms, merge_partial
+from .two_phase import phase2 as reference_phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import phase1 as torch_phase1
 from .two_phase_torch import phase1_rms_norm as torch_phase1_rms_norm
@@ -33,7 +35,8 @@ class DepthKernels(NamedTuple):
     `phase1` returns phase 1's output as a tuple of its S rows `[*tokens, D]` (one per step, the form the depth state
     holds), and `close_block(blocks, blocks_inv_rms, queries, eps)` is what the step that closes a block computes:
     the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
-    `(blocks_inv_rms, rows, lse)`.
+    `(blocks_inv_rms, rows, lse)`. `phase2` is phase 2 alone (`two_phase.phase2`), the sublayer input for a norm
+    that is not the model's own (an engine's).
 
     `differentiable`: whether autograd records the forward pass they were chosen for; when it does not, a step may
     update its own tensors in place.
@@ -44,6 +47,7 @@ class DepthKernels(NamedTuple):
     phase2_rms_norm: Callable
     append_inverse_rms: Callable
     close_block: Callable
+    phase2: Callable = reference_phase2
     differentiable: bool = True
 
 
@@ -66,6 +70,26 @@ def composed(
 
 TORCH_KERNELS = composed(torch_phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
 
+_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)  # the function, where torch lacks it
+_merge_region = _region(merge_partial)
+
+
+def phase2_in_region(
+    obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`two_phase.phase2` under torch.compile, with its merge (`two_phase.merge_partial`) as one nested compile region:
+    every step merges tensors of the same shapes, so the merge is traced and compiled once and reused by all of them,
+    where inductor would otherwise generate and compile kernels anew for each step (the offsets of a step's query and
+    phase-1 row are constants in their code). The inverse RMS is computed outside: its eps may be a symbolic float
+    (`dynamic=True`), and a region is reused only for the same inputs. Eager, the region is the plain function."""
+    return _merge_region(obar, lse, partial, query, inverse_rms(partial, eps))
+
+
+# What torch.compile traces on the CPU: `two_phase_torch`, and phase 2 for an engine's norm with its merge in a region.
+# Phase 2 fused with the model's own norm is not a region: in converted checkpoints the norm's eps differs per step
+# (eps / k², docs/design.md §5), a region is traced anew for every eps, and torch refuses a ninth.
+COMPILED_TORCH_KERNELS = TORCH_KERNELS._replace(phase2=phase2_in_region)
+
 
 def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiable: bool = True) -> DepthKernels:
     """The implementations for tensors on `device` under the setting: the config's `depth_kernel` (`auto` or
@@ -78,7 +102,8 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
       interpreter, `TRITON_INTERPRET=1`, for tests), or in a checkpoint's remote code.
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
-    wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses.
+    wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, and the
+    merge of phase 2 for an engine's norm as a nested compile region (`COMPILED_TORCH_KERNELS`).
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in SETTINGS:
@@ -90,7 +115,7 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
 
 
 def _choose(device_type: str, setting: str, differentiable: bool, compiling: bool = False) -> DepthKernels:
-    torch_kernels = TORCH_KERNELS._replace(differentiable=differentiable)
+    torch_kernels = (COMPILED_TORCH_KERNELS if compiling else TORCH_KERNELS)._replace(differentiable=differentiable)
     if setting == "reference":
         return torch_kernels
     if not PACKAGED:

@@ -92,9 +92,16 @@ def phase2(
 
     Returns the sublayer input `h` in the dtype of `partial`.
     """
+    return merge_partial(obar, lse, partial, query, inverse_rms(partial, eps))
+
+
+def merge_partial(
+    obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, partial_inv_rms: torch.Tensor
+) -> torch.Tensor:
+    """`phase2` given the partial sum's inverse RMS `[*tokens]` (fp32): the merge, which reads no constant of the
+    step's own (under torch.compile, kernel_dispatch makes it one region shared by every step)."""
     values = partial.float()
-    logit = (values @ query) * inverse_rms(partial, eps)
-    gate = torch.sigmoid(logit - lse).unsqueeze(-1)
+    gate = torch.sigmoid((values @ query) * partial_inv_rms - lse).unsqueeze(-1)
     return torch.lerp(obar, values, gate).to(partial.dtype)
 
 

@@ -196,12 +196,11 @@ def kernel_kind(kernels: DepthKernels) -> str:
     """Which implementations `depth_kernels` chose: `"triton"`, `"cpu"` (the fused C++ kernels) or `"torch"`."""
     if kernels.phase2_rms_norm is phase2_rms_norm:
         return "triton"
-    implementations = kernels[:-1]  # without the `differentiable` flag
-    cpu_tables = [tuple(cpu.implementations(differentiable).values()) for differentiable in (True, False)]
-    if kernels.phase2_rms_norm in (table[2] for table in cpu_tables):
-        assert implementations in cpu_tables
+    cpu_tables = [cpu.implementations(differentiable) for differentiable in (True, False)]
+    if kernels.phase2_rms_norm in (table["phase2_rms_norm"] for table in cpu_tables):
+        assert {name: getattr(kernels, name) for name in cpu_tables[0]} in cpu_tables
         return "cpu"
-    assert implementations == TORCH_KERNELS[:-1]
+    assert kernels._replace(differentiable=True) == TORCH_KERNELS
     return "torch"
 
 
@@ -232,7 +231,8 @@ def test_depth_kernels_dispatch(device, config_kernel, env, kind, monkeypatch):
     # For a forward pass that autograd does not record, the same kind; on the CPU, the kernels without autograd.
     kernels = depth_kernels(torch.device(device), config_kernel, differentiable=False)
     assert kernel_kind(kernels) == kind and not kernels.differentiable
-    assert (kernels[:-1] == tuple(cpu.implementations(differentiable=False).values())) == (kind == "cpu")
+    without_autograd = DepthKernels(**cpu.implementations(differentiable=False), differentiable=False)
+    assert (kernels == without_autograd) == (kind == "cpu")
 
 
 @pytest.fixture
@@ -277,10 +277,10 @@ def test_depth_kernel_config_reaches_the_depth_state(monkeypatch):
     _, (kernels, _) = initial_state(tiny_config(depth_kernel="reference"))(embeddings, None, False)
     assert kernel_kind(kernels) == "torch"
     _, (kernels, _) = initial_state(tiny_config())(embeddings, None, False)
-    assert kernels == (*cpu.implementations(differentiable=True).values(), True)
+    assert kernels == DepthKernels(**cpu.implementations(differentiable=True), differentiable=True)
     with torch.no_grad():
         _, (kernels, _) = initial_state(tiny_config())(embeddings, None, False)
-    assert kernels == (*cpu.implementations(differentiable=False).values(), False)
+    assert kernels == DepthKernels(**cpu.implementations(differentiable=False), differentiable=False)
 
 
 def test_kernel_benchmark_runs_under_interpreter(tmp_path):

@@ -17,9 +17,11 @@ from transformers import (
     StaticCache,
 )
 from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
-from attnres.depth_mixing import PendingInput, num_depth_sources
+from attnres.depth_mixing import DepthAttention, PendingInput, num_depth_sources
+from attnres.modeling_attnres import AttnResRMSNorm
 from attnres import two_phase, two_phase_torch
 from attnres.two_phase import inverse_rms, naive_depth_attention, phase1, phase2
 
@@ -559,6 +561,47 @@ def test_torch_compile_fullgraph_traces_every_mode(monkeypatch):
         compiled = torch.compile(model, fullgraph=True, backend="eager")
         with torch.no_grad():
             assert max_diff(compiled(ids).logits, model(ids).logits) <= 1e-6
+
+
+def with_engine_norms(model: AttnResForCausalLM) -> AttnResForCausalLM:
+    """`model` with every RMSNorm replaced by Llama's, holding the same gain and eps, as vLLM's Transformers backend
+    swaps in its own: the depth-attention steps then hand each norm its input computed (phase 2 alone)."""
+    for module in list(model.modules()):
+        for name, norm in list(module.named_children()):
+            if isinstance(norm, AttnResRMSNorm):
+                replacement = LlamaRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon)
+                replacement.weight.data.copy_(norm.weight.data)
+                setattr(module, name, replacement)
+    return model
+
+
+@pytest.mark.parametrize("dynamic", [False, True, "tokens"])
+def test_torch_compile_traces_the_merge_of_phase_2_once_for_every_step(dynamic, monkeypatch):
+    """With an engine's norms (vLLM's backend swaps them in), the sublayer inputs are computed unfused, and under
+    torch.compile phase 2's merge is a nested compile region (`kernel_dispatch.phase2_in_region`): the graph calls one
+    traced subgraph at every step that merges a partial sum, so inductor compiles its kernels once, not per step.
+    Static shapes, `dynamic=True` (where eps is a symbolic float) and a dynamic token axis (as vLLM marks it) alike;
+    the compiled model computes the eager one's logits."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
+    model = with_engine_norms(trained_model(residual_mode="block", block_size=3, num_hidden_layers=6))
+    ids = input_batch(model.config)
+    graphs = []
+
+    def keep_graph(graph_module: torch.fx.GraphModule, example_inputs) -> Callable:
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=keep_graph, dynamic=dynamic is True)
+    if dynamic == "tokens":
+        torch._dynamo.mark_dynamic(ids, 1)
+    with torch.no_grad():
+        assert max_diff(compiled(ids).logits, model(ids).logits) <= 1e-6
+    (graph,) = graphs
+    regions = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
+    merging_steps = [m for m in model.modules() if isinstance(m, DepthAttention) and m.block_offset > 0]
+    assert len(regions) == len(merging_steps) == 8  # 12 sublayers in blocks of 3
+    assert len({node.args[0].target for node in regions}) == 1
 
 
 @pytest.mark.parametrize("kernel", ["reference", "auto", "cpu"])
