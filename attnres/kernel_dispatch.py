@@ -70,7 +70,8 @@ def composed(
 
 TORCH_KERNELS = composed(torch_phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
 
-_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)  # the function, where torch lacks it
+# Where torch has no nested compile regions, the merge is the plain function.
+_region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
 _merge_region = _region(merge_partial)
 
 

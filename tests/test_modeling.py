@@ -592,7 +592,8 @@ def test_torch_compile_traces_the_merge_of_phase_2_once_for_every_step(dynamic, 
         return graph_module.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend=keep_graph, dynamic=dynamic is True)
+    shapes = {False: False, True: True, "tokens": None}[dynamic]  # None: dynamic where marked
+    compiled = torch.compile(model, fullgraph=True, backend=keep_graph, dynamic=shapes)
     if dynamic == "tokens":
         torch._dynamo.mark_dynamic(ids, 1)
     with torch.no_grad():
