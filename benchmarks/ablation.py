@@ -534,7 +534,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row for row in variants(args) if row.name in args.variants]
     train_split, validation_split = load_splits(args.data_dir)
     validation = validation_batches(validation_split, args)
-    report = {"settings": recorded_settings(args), "torch": torch.__version__, "variants": [asdict(row) for row in rows], "runs": []}
+    report = {
+        "settings": recorded_settings(args),
+        "torch": torch.__version__,
+        "variants": [asdict(row) for row in rows],
+        "runs": [],
+    }
     # Seed by seed, so that an interrupted run has every variant of the seeds it finished.
     for seed in args.seeds:
         batches = training_batches(train_split, args, seed)
