@@ -37,7 +37,8 @@ class DepthAttentionAblation(DepthAttention):
         sources, inv_rms = self.sources(state)
         weights = self.normalize(self.logits(sources, inv_rms))
         values = sources.float().unflatten(-1, (weights.shape[-1], -1))  # [K, *tokens, heads, D / heads]
-        return (weights.unsqueeze(-1) * values).sum(0).flatten(-2).to(sources.dtype)
+        hidden = (weights.unsqueeze(-1) * values).sum(0).flatten(-2)
+        return (hidden if self.output_scale == 1 else hidden * self.output_scale).to(sources.dtype)
 
     def attention_weights(self, state: DepthState, context: DepthContext) -> torch.Tensor:
         """The weights `[batch, seq, num_sources]` (averaged over heads), for analysis."""
@@ -139,9 +140,8 @@ class MultiHeadDepthAttention(DepthAttentionAblation):
         return f"{super().extra_repr()}, heads={self.heads}"
 
 
-def depth_ablation(config, *args) -> DepthAttentionAblation:
-    """The ablation `config.depth_ablation` in front of a sublayer; `args` as `DepthAttention`'s."""
-    kwargs = dict(depth_kernel=config.depth_kernel)
+def depth_ablation(config, *args, **kwargs) -> DepthAttentionAblation:
+    """The ablation `config.depth_ablation` in front of a sublayer; `args` and `kwargs` as `DepthAttention`'s."""
     if config.depth_ablation == "sliding_window":
         return SlidingWindowDepthAttention(*args, window=config.depth_window, **kwargs)
     if config.depth_ablation == "multi_head":

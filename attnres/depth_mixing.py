@@ -7,7 +7,8 @@ states are in `depth_state.py`):
 - `DepthAttention`: Block AttnRes, and Full AttnRes as blocks of one sublayer (§3, §4), in the two-phase form (§6);
 - the comparison residuals (`residual_variants.py`) and the paper's ablations of AttnRes (`depth_ablations.py`).
 
-`depth_mixer` builds the mixer for a config's residual mode; `pre_norm_eps` gives the eps of the RMSNorm behind it.
+`depth_mixer` builds the mixer for a config's residual mode; `output_scale` gives the factor on a step's output that
+an exact retrofit applies (docs/design.md §5).
 """
 
 import math
@@ -20,7 +21,7 @@ from torch import nn
 from .depth_state import DepthContext, DepthMixer, DepthState, ResidualStream
 from .kernel_dispatch import depth_kernels
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import as_float32, cast, inverse_rms
+from .two_phase import as_float32, inverse_rms
 
 
 try:
@@ -40,26 +41,33 @@ def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int
 
 
 class PendingInput(NamedTuple):
-    """A step's input `h`, handed over uncomputed to the RMSNorm that reads it (docs/design.md §6).
+    """A step's input `k * h`, handed over uncomputed to the RMSNorm that reads it (docs/design.md §6).
 
     `h` is only ever read by the pre-norm in front of its sublayer, so the model's own norm (`AttnResRMSNorm`)
     computes the step's last phase and its own normalisation in one operation, and `h` is never written to memory
     nor kept for the backward pass. Any other norm (an engine's that replaced the model's, as vLLM's Transformers
-    backend does) reads `h` itself, computed unfused (`value`). A named tuple of plain tuples, so that accelerate's
-    hooks (`device_map`) move its tensors to the norm's device like any other input.
+    backend does) reads the input itself, computed unfused (`value`). A named tuple of plain tuples, so that
+    accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
+
+    `scale` is the step's output scale k (1 but under `exact_retrofit`, docs/design.md §5): the fused norm folds it
+    into its eps, `RMSNorm(k h; eps) = RMSNorm(h; eps / k²)`, and `value` multiplies by `scale_tensor`, the same k as
+    a 0-d tensor, so that under torch.compile every step's kernels read k as an input instead of a constant of their
+    own.
     """
 
     compute: Callable
     compute_and_norm: Callable
     inputs: tuple
+    scale: float = 1.0
+    scale_tensor: torch.Tensor | None = None
 
     def value(self) -> torch.Tensor:
-        """`h` itself."""
-        return self.compute(*self.inputs)
+        """`k * h` itself."""
+        return self.compute(*self.inputs, scale=self.scale_tensor)
 
     def normalized(self, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-        """`norm_weight * RMSNorm(h)` with the norm's eps."""
-        return self.compute_and_norm(*self.inputs, norm_weight, norm_eps)
+        """`norm_weight * RMSNorm(k * h)` with the norm's eps."""
+        return self.compute_and_norm(*self.inputs, norm_weight, norm_eps / self.scale**2)
 
 
 class DepthQuery(nn.Module):
@@ -128,13 +136,21 @@ class DepthAttention(DepthMixer):
     two_phase = True
 
     def __init__(
-        self, hidden_size: int, eps: float, position: int, block_size: int, num_sublayers: int, depth_kernel: str
+        self,
+        hidden_size: int,
+        eps: float,
+        position: int,
+        block_size: int,
+        num_sublayers: int,
+        depth_kernel: str,
+        output_scale: float = 1,
     ):
         super().__init__()
         self.query = DepthQuery(hidden_size)
         self.eps = eps
         self.position = position
         self.depth_kernel = depth_kernel
+        self.output_scale = output_scale
         # Which of its block's phase-1 rows this step reads; the output step (L + 1) is a block of its own.
         self.block_offset = (position - 1) % block_size if position <= num_sublayers else 0
         # A block closes after its last sublayer and after the network's last, so the output sees complete blocks.
@@ -171,12 +187,15 @@ class DepthAttention(DepthMixer):
         else:  # the output step, or no gathered queries: phase 1 for this step's own query
             (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, self.step_query(state).unsqueeze(0))
             lse = lse[0]
+        scale = (self.output_scale, self.scale_tensor(context))
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
-            pending = PendingInput(cast, kernels.phase1_rms_norm, (row, state.blocks[0].dtype))
-        else:
-            args = (row, lse, state.partial, self.step_query(state), self.eps)
-            pending = PendingInput(kernels.phase2, kernels.phase2_rms_norm, args)
-        return pending
+            return PendingInput(kernels.block_input, kernels.phase1_rms_norm, (row, state.blocks[0].dtype), *scale)
+        args = (row, lse, state.partial, self.step_query(state), self.eps)
+        return PendingInput(kernels.phase2, kernels.phase2_rms_norm, args, *scale)
+
+    def scale_tensor(self, context: DepthContext) -> torch.Tensor | None:
+        """This step's output scale as a 0-d fp32 tensor, `None` where it is 1."""
+        return None if context.output_scales is None else context.output_scales[self.position - 1]
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:
         kernels = context.kernels
@@ -214,7 +233,8 @@ class DepthAttention(DepthMixer):
         return torch.softmax(logits, dim=0).movedim(0, -1)
 
     def extra_repr(self) -> str:
-        return f"sublayer={self.position}, closes_block={self.closes_block}"
+        scale = f", output_scale={self.output_scale}" if self.output_scale != 1 else ""
+        return f"sublayer={self.position}, closes_block={self.closes_block}{scale}"
 
 
 def depth_mixer(config, position: int) -> DepthMixer:
@@ -235,17 +255,25 @@ def depth_mixer(config, position: int) -> DepthMixer:
             config.hidden_size, position, config.hc_streams, config.rms_norm_eps, config.sinkhorn_iterations
         )
     args = (config.hidden_size, config.rms_norm_eps, position, config.depth_block_size, config.num_sublayers)
+    kwargs = dict(depth_kernel=config.depth_kernel, output_scale=output_scale(config, position))
     if config.depth_ablation is not None:
-        return depth_ablation(config, *args)
-    return DepthAttention(*args, depth_kernel=config.depth_kernel)
+        return depth_ablation(config, *args, **kwargs)
+    return DepthAttention(*args, **kwargs)
 
 
-def pre_norm_eps(config, position: int) -> float:
-    """The eps of the RMSNorm that reads the output of mixer `position`: with `exact_retrofit`, eps / k**2 for a step
-    that averages k sources at zero queries (docs/design.md §5). Only AttnRes averages its sources."""
+def output_scale(config, position: int) -> int:
+    """The factor k on the output of mixer `position`: with `exact_retrofit`, the k of a step that averages k sources
+    at zero queries, so that it hands on their sum as the residual stream did (docs/design.md §5); 1 otherwise. Only
+    AttnRes averages its sources."""
     if config.residual_mode not in ("full", "block") or not config.exact_retrofit:
-        return config.rms_norm_eps
-    return config.rms_norm_eps / zero_query_divisor(config, position) ** 2
+        return 1
+    return zero_query_divisor(config, position)
+
+
+def output_scales(config, device: torch.device) -> torch.Tensor | None:
+    """Every mixer's output scale `[L + 1]`, fp32, for the steps to read as tensors; `None` where all are 1."""
+    scales = [output_scale(config, position) for position in range(1, config.num_sublayers + 2)]
+    return None if all(scale == 1 for scale in scales) else torch.tensor(scales, dtype=torch.float32, device=device)
 
 
 def zero_query_divisor(config, position: int) -> int:

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from .two_phase import inverse_rms, merge_partial
+from .two_phase import block_input as reference_block_input
+from .two_phase import cast, inverse_rms, merge_partial
 from .two_phase import phase2 as reference_phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import phase1 as torch_phase1
@@ -35,8 +36,8 @@ class DepthKernels(NamedTuple):
     `phase1` returns phase 1's output as a tuple of its S rows `[*tokens, D]` (one per step, the form the depth state
     holds), and `close_block(blocks, blocks_inv_rms, queries, eps)` is what the step that closes a block computes:
     the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
-    `(blocks_inv_rms, rows, lse)`. `phase2` is phase 2 alone (`two_phase.phase2`), the sublayer input for a norm
-    that is not the model's own (an engine's).
+    `(blocks_inv_rms, rows, lse)`. `phase2` is phase 2 alone (`two_phase.phase2`) and `block_input` a block's first
+    input (`two_phase.block_input`): the sublayer inputs for a norm that is not the model's own (an engine's).
 
     `differentiable`: whether autograd records the forward pass they were chosen for; when it does not, a step may
     update its own tensors in place.
@@ -48,6 +49,7 @@ class DepthKernels(NamedTuple):
     append_inverse_rms: Callable
     close_block: Callable
     phase2: Callable = reference_phase2
+    block_input: Callable = reference_block_input
     differentiable: bool = True
 
 
@@ -76,20 +78,37 @@ _merge_region = _region(merge_partial)
 
 
 def phase2_in_region(
-    obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`two_phase.phase2` under torch.compile, with its merge (`two_phase.merge_partial`) as one nested compile region:
     every step merges tensors of the same shapes, so the merge is traced and compiled once and reused by all of them,
-    where inductor would otherwise generate and compile kernels anew for each step (the offsets of a step's query and
-    phase-1 row are constants in their code). The inverse RMS is computed outside: its eps may be a symbolic float
-    (`dynamic=True`), and a region is reused only for the same inputs. Eager, the region is the plain function."""
-    return _merge_region(obar, lse, partial, query, inverse_rms(partial, eps))
+    where inductor would otherwise generate and compile kernels anew for each step (the offsets of a step's query,
+    phase-1 row and output scale are constants in their code). The inverse RMS is computed outside: its eps may be a
+    symbolic float (`dynamic=True`), and a region is reused only for the same inputs. Eager, the region is the plain
+    function."""
+    return _merge_region(obar, lse, partial, query, inverse_rms(partial, eps), scale)
 
 
-# What torch.compile traces on the CPU: `two_phase_torch`, and phase 2 for an engine's norm with its merge in a region.
-# Phase 2 fused with the model's own norm is not a region: in converted checkpoints the norm's eps differs per step
-# (eps / k², docs/design.md §5), a region is traced anew for every eps, and torch refuses a ninth.
-COMPILED_TORCH_KERNELS = TORCH_KERNELS._replace(phase2=phase2_in_region)
+@_region
+def _scaled(obar: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return obar * scale
+
+
+def block_input_in_region(obar: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`two_phase.block_input` under torch.compile, with the product by the output scale as one region, for the reason
+    `phase2_in_region` gives."""
+    return cast(obar if scale is None else _scaled(obar, scale), dtype)
+
+
+# What torch.compile traces on the CPU: `two_phase_torch`, and the sublayer inputs for an engine's norm in regions.
+# Phase 2 fused with the model's own norm is not a region: its norm's eps, eps / k² under `exact_retrofit`
+# (docs/design.md §5), differs per step, a region is traced anew for every eps, and torch refuses a ninth.
+COMPILED_TORCH_KERNELS = TORCH_KERNELS._replace(phase2=phase2_in_region, block_input=block_input_in_region)
 
 
 def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiable: bool = True) -> DepthKernels:
@@ -104,7 +123,7 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
     wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, and the
-    merge of phase 2 for an engine's norm as a nested compile region (`COMPILED_TORCH_KERNELS`).
+    sublayer inputs for an engine's norm in nested compile regions (`COMPILED_TORCH_KERNELS`).
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in SETTINGS:

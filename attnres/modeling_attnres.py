@@ -39,7 +39,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, pre_norm_eps, stack_queries
+from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, output_scales, stack_queries
 from .depth_state import DepthContext, StateLayout, flatten_state
 from .transformers_compat import accepts_past_key_values, output_cache, output_with_cache
 
@@ -165,8 +165,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         attn_position, mlp_position = 2 * layer_idx + 1, 2 * layer_idx + 2
         self.self_attn = AttnResAttention(config, layer_idx)
         self.mlp = AttnResSparseMoeBlock(config) if config.is_moe else AttnResMLP(config)
-        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, attn_position))
-        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, mlp_position))
+        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attn_residual = depth_mixer(config, attn_position)
         self.mlp_residual = depth_mixer(config, mlp_position)
         self.recorded_input = RecordedHiddenState()
@@ -272,9 +272,8 @@ class AttnResModel(AttnResPreTrainedModel):
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        output_position = config.num_sublayers + 1
-        self.output_residual = depth_mixer(config, output_position)
-        self.norm = AttnResRMSNorm(config.hidden_size, eps=pre_norm_eps(config, output_position))
+        self.output_residual = depth_mixer(config, config.num_sublayers + 1)
+        self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.recorded_output = RecordedHiddenState()
         self.rotary_emb = AttnResRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
@@ -332,6 +331,7 @@ class AttnResModel(AttnResPreTrainedModel):
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].attn_residual
         depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(), record_inputs)
+        depth_context = depth_context._replace(output_scales=output_scales(self.config, inputs_embeds.device))
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 depth_state,

@@ -77,7 +77,12 @@ def phase1(
 
 
 def phase2(
-    obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Phase 2 (docs/design.md §6): merge the running partial sum `P` of the current block into phase 1's result.
 
@@ -89,20 +94,33 @@ def phase2(
         obar: `[*tokens, D]` fp32, phase 1's output for this query; lse: `[*tokens]` fp32.
         partial: `[*tokens, D]` the running sum of the current block, in the model dtype.
         query: `[D]` fp32 pseudo-query with the key-norm gain folded in.
+        scale: the step's output scale k (a 0-d fp32 tensor, docs/design.md §5), or `None` for 1.
 
-    Returns the sublayer input `h` in the dtype of `partial`.
+    Returns the sublayer input `k * h` in the dtype of `partial`.
     """
-    return merge_partial(obar, lse, partial, query, inverse_rms(partial, eps))
+    return merge_partial(obar, lse, partial, query, inverse_rms(partial, eps), scale)
 
 
 def merge_partial(
-    obar: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, partial_inv_rms: torch.Tensor
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    partial_inv_rms: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`phase2` given the partial sum's inverse RMS `[*tokens]` (fp32): the merge, which reads no constant of the
     step's own (under torch.compile, kernel_dispatch makes it one region shared by every step)."""
     values = partial.float()
     gate = torch.sigmoid((values @ query) * partial_inv_rms - lse).unsqueeze(-1)
-    return torch.lerp(obar, values, gate).to(partial.dtype)
+    hidden = torch.lerp(obar, values, gate)
+    return (hidden if scale is None else hidden * scale).to(partial.dtype)
+
+
+def block_input(obar: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The input `k * h` of a block's first sublayer, which has no partial sum to merge: phase 1's row `obar` (fp32),
+    times the step's output scale (`None` for 1), in the model `dtype`."""
+    return cast(obar if scale is None else obar * scale, dtype)
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

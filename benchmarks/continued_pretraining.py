@@ -1,6 +1,6 @@
 """Does converting pay off when the whole model trains on? A PreNorm model pretrained from scratch here is continued
 two ways on the same data for the same steps: (a) as it is, (b) converted exactly to Block AttnRes (zero pseudo-
-queries, the exact retrofit's per-norm eps, so it starts as the same function) with every parameter trained. The
+queries, the exact retrofit's output scales, so it starts as the same function) with every parameter trained. The
 learning rate of each arm is picked on validation windows; the arms are compared on other, held-out windows.
 
 Models, data and training are `ablation.py`'s (byte-level Shakespeare, 12 layers of width 64 by default): the

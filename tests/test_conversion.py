@@ -206,7 +206,8 @@ def test_dtype_is_preserved_unless_asked(tmp_path):
 
 
 def test_exact_retrofit_closes_the_eps_gap(tmp_path):
-    """With a large eps the zero-init model visibly differs from its source; eps / k^2 per pre-norm removes it."""
+    """With a large eps the zero-init model visibly differs from its source; scaling each step's output by its k
+    removes it, with every norm keeping the source's eps."""
     source, model = tiny_source(tmp_path, LlamaConfig, LlamaForCausalLM, rms_norm_eps=0.5)
     ids = random_ids()
     expected = logits(model, ids)
@@ -216,15 +217,13 @@ def test_exact_retrofit_closes_the_eps_gap(tmp_path):
         converted = load_converted(tmp_path / f"out-{exact}")
         assert json.loads((tmp_path / f"out-{exact}" / "config.json").read_text())["exact_retrofit"] is exact
         gaps[exact] = (logits(converted, ids) - expected).abs().max().item()
-        if exact:  # each norm's eps is divided by the square of its mixing step's source count
-            config = converted.config
-            positions = [2 * i + j for i in range(config.num_hidden_layers) for j in (1, 2)]
-            norms = [
-                n for layer in converted.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
-            ]
-            for position, norm in zip(positions + [config.num_sublayers + 1], norms + [converted.model.norm]):
-                k = num_depth_sources(position, config.depth_block_size, config.num_sublayers)
-                assert norm.variance_epsilon == pytest.approx(0.5 / k**2)
+        config = converted.config
+        layers = converted.model.layers
+        mixers = [mixer for layer in layers for mixer in (layer.attn_residual, layer.mlp_residual)]
+        norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        for mixer, norm in zip(mixers + [converted.model.output_residual], norms + [converted.model.norm]):
+            k = num_depth_sources(mixer.position, config.depth_block_size, config.num_sublayers)
+            assert mixer.output_scale == (k if exact else 1) and norm.variance_epsilon == 0.5
     assert gaps[False] > 1e-2, gaps
     assert gaps[True] < 1e-5, gaps
 

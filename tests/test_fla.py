@@ -110,12 +110,13 @@ def test_an_attnres_model_exports_to_fla_and_back(tmp_path):
         assert torch.equal(back.state_dict()[name], tensor), name
 
 
-def test_a_converted_llama_exports_with_the_common_eps_only_when_asked(tmp_path):
+def test_a_converted_llama_exports_without_the_retrofit_only_when_asked(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(**{**TINY_SHAPE, "num_hidden_layers": 4})).save_pretrained(tmp_path / "llama")
     convert(tmp_path / "llama", tmp_path / "converted", block_size=4, progress=False)
-    with pytest.raises(ConversionError, match=r"AttnResConfig.exact_retrofit=True: FLA has one eps for every norm"):
+    refusal = r"AttnResConfig.exact_retrofit=True: FLA has no scale on a step's output"
+    with pytest.raises(ConversionError, match=refusal):
         export(tmp_path / "converted", tmp_path / "fla", to="fla")
     assert not (tmp_path / "fla").exists()
     report = export(tmp_path / "converted", tmp_path / "fla", to="fla", drop_exact_retrofit=True)

@@ -274,12 +274,12 @@ def test_depth_kernel_config_reaches_the_depth_state(monkeypatch):
     def initial_state(config):
         return AttnResForCausalLM(config).model.layers[0].attn_residual.initial_state
 
-    _, (kernels, _) = initial_state(tiny_config(depth_kernel="reference"))(embeddings, None, False)
+    kernels = initial_state(tiny_config(depth_kernel="reference"))(embeddings, None, False)[1].kernels
     assert kernel_kind(kernels) == "torch"
-    _, (kernels, _) = initial_state(tiny_config())(embeddings, None, False)
+    kernels = initial_state(tiny_config())(embeddings, None, False)[1].kernels
     assert kernels == DepthKernels(**cpu.implementations(differentiable=True), differentiable=True)
     with torch.no_grad():
-        _, (kernels, _) = initial_state(tiny_config())(embeddings, None, False)
+        kernels = initial_state(tiny_config())(embeddings, None, False)[1].kernels
     assert kernels == DepthKernels(**cpu.implementations(differentiable=False), differentiable=False)
 
 

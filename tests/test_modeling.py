@@ -1,5 +1,7 @@
 """Core model invariants (docs/design.md §2-§6): every mode against its exact reference; the Transformers features."""
 
+import collections
+import copy
 import math
 from collections.abc import Callable
 
@@ -20,7 +22,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from attnres import AttnResConfig, AttnResForCausalLM, AttnResModel
-from attnres.depth_mixing import DepthAttention, PendingInput, num_depth_sources
+from attnres.depth_mixing import PendingInput, num_depth_sources
 from attnres.modeling_attnres import AttnResRMSNorm
 from attnres import two_phase, two_phase_torch
 from attnres.two_phase import inverse_rms, naive_depth_attention, phase1, phase2
@@ -116,7 +118,7 @@ def test_standard_moe_is_mixtral():
 
 @pytest.mark.parametrize("mode,block_size", [("full", None), ("block", 2), ("block", 3), ("block", 6)])
 def test_zero_init_attnres_equals_standard_with_exact_retrofit(mode, block_size):
-    """Zero pseudo-queries average the sources; with each pre-norm's eps divided by k**2 the model is the baseline."""
+    """Zero pseudo-queries average the sources; with each step's output multiplied by k the model is the baseline."""
     llama = llama_twin(tiny_config(rms_norm_eps=1e-2))  # a large eps makes any eps mistake visible
     extra = {} if block_size is None else {"block_size": block_size}
     exact = attnres_from(llama, residual_mode=mode, exact_retrofit=True, **extra)
@@ -125,7 +127,7 @@ def test_zero_init_attnres_equals_standard_with_exact_retrofit(mode, block_size)
     with torch.no_grad():
         expected = llama(ids).logits
         assert max_diff(exact(ids).logits, expected) <= 1e-5
-        # Without the retrofit the only difference is eps * k**2 in each norm: visible at eps = 1e-2.
+        # Without the retrofit the only difference is eps * k**2 in each norm (design.md §5): visible at eps = 1e-2.
         assert max_diff(plain(ids).logits, expected) > 1e-3
 
 
@@ -332,7 +334,8 @@ def naive_logits(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Te
 
     def mix(position: int, mixer: torch.nn.Module) -> torch.Tensor:
         query = mixer.query
-        return naive_depth_attention(sources(position), query.pseudo_query, query.key_norm_weight, mixer.eps)[0]
+        hidden = naive_depth_attention(sources(position), query.pseudo_query, query.key_norm_weight, mixer.eps)[0]
+        return hidden * mixer.output_scale
 
     for index, layer in enumerate(decoder.layers):
         hidden = layer.input_layernorm(mix(2 * index + 1, layer.attn_residual))
@@ -344,7 +347,9 @@ def naive_logits(model: AttnResForCausalLM, input_ids: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("mode,block_size", [("full", None), ("block", 1), ("block", 2), ("block", 3), ("block", 6)])
 @pytest.mark.parametrize("moe", [False, True])
 def test_two_phase_model_equals_naive_with_trained_depth_parameters(mode, block_size, moe):
-    extra = {} if block_size is None else {"block_size": block_size}
+    extra = {"exact_retrofit": True, "rms_norm_eps": 1e-2} if mode == "full" else {}
+    if block_size is not None:
+        extra["block_size"] = block_size
     if moe:
         extra.update(num_local_experts=4, num_experts_per_tok=2)
     model = AttnResForCausalLM(tiny_config(residual_mode=mode, **extra)).eval()
@@ -575,15 +580,34 @@ def with_engine_norms(model: AttnResForCausalLM) -> AttnResForCausalLM:
     return model
 
 
+@pytest.mark.parametrize("exact_retrofit", [False, True])
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+def test_engine_norms_compute_the_model_function(kernel, exact_retrofit, monkeypatch):
+    """An engine's norms, holding the model's gains and eps, read each step's input computed (`k * h` under the exact
+    retrofit, design.md §5) where the model's own fuse it: the same logits, within 1e-5 in fp32 (a large eps makes
+    a misplaced k visible), and in bf16 within `assert_bf16_tracks`' documented tolerance of fp32."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
+    model = trained_model(residual_mode="block", block_size=3, exact_retrofit=exact_retrofit, rms_norm_eps=1e-2)
+    engine = with_engine_norms(copy.deepcopy(model))
+    ids = input_batch(model.config, length=16)
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert max_diff(engine(ids).logits, expected) <= 1e-5
+    assert_bf16_tracks(engine, ids)
+
+
 @pytest.mark.parametrize("dynamic", [False, True, "tokens"])
-def test_torch_compile_traces_the_merge_of_phase_2_once_for_every_step(dynamic, monkeypatch):
+def test_torch_compile_traces_the_sublayer_inputs_once_for_every_step(dynamic, monkeypatch):
     """With an engine's norms (vLLM's backend swaps them in), the sublayer inputs are computed unfused, and under
-    torch.compile phase 2's merge is a nested compile region (`kernel_dispatch.phase2_in_region`): the graph calls one
-    traced subgraph at every step that merges a partial sum, so inductor compiles its kernels once, not per step.
+    torch.compile the steps' own parts of them are nested compile regions (`kernel_dispatch.phase2_in_region`,
+    `block_input_in_region`): the graph calls one traced subgraph at every step that merges a partial sum, and one
+    at every other sublayer's step for its output scale (exact retrofit), so inductor compiles their kernels once, not
+    per step (the output step's own is one).
     Static shapes, `dynamic=True` (where eps is a symbolic float) and a dynamic token axis (as vLLM marks it) alike;
     the compiled model computes the eager one's logits."""
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
-    model = with_engine_norms(trained_model(residual_mode="block", block_size=3, num_hidden_layers=6))
+    model = trained_model(residual_mode="block", block_size=3, num_hidden_layers=6, exact_retrofit=True)
+    model = with_engine_norms(model)
     ids = input_batch(model.config)
     graphs = []
 
@@ -600,9 +624,11 @@ def test_torch_compile_traces_the_merge_of_phase_2_once_for_every_step(dynamic, 
         assert max_diff(compiled(ids).logits, model(ids).logits) <= 1e-6
     (graph,) = graphs
     regions = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
-    merging_steps = [m for m in model.modules() if isinstance(m, DepthAttention) and m.block_offset > 0]
-    assert len(regions) == len(merging_steps) == 8  # 12 sublayers in blocks of 3
-    assert len({node.args[0].target for node in regions}) == 1
+    steps = [m for layer in model.model.layers for m in (layer.attn_residual, layer.mlp_residual)]
+    merging_steps = [step for step in steps if step.block_offset > 0]
+    assert len(regions) == len(steps) == 12 and len(merging_steps) == 8  # 12 sublayers in blocks of 3
+    subgraphs = collections.Counter(node.args[0].target for node in regions)
+    assert sorted(subgraphs.values()) == [len(steps) - len(merging_steps), len(merging_steps)]
 
 
 @pytest.mark.parametrize("kernel", ["reference", "auto", "cpu"])
@@ -648,13 +674,17 @@ def test_moe_training_loss_includes_the_router_aux_loss():
 
 
 def test_bf16_tracks_fp32():
+    model = trained_model(residual_mode="block", block_size=3)
+    assert_bf16_tracks(model, input_batch(model.config, batch=2, length=16))
+
+
+def assert_bf16_tracks(model: torch.nn.Module, ids: torch.Tensor) -> None:
     """bf16 keeps 8 bits of mantissa (relative step 2**-8 = 0.0039); over 6 sublayers of a random tiny model the
     logits (std ~0.2-1) drift by a few bf16 steps. Documented tolerance: max |dlogit| <= 0.1, mean <= 0.01, and
-    greedy tokens agree on >= 95% of positions. Depth logits and merges stay in fp32 in both."""
-    model = trained_model(residual_mode="block", block_size=3)
-    ids = input_batch(model.config, batch=2, length=16)
+    greedy tokens agree on >= 95% of positions. Depth logits and merges stay in fp32 in both. Leaves `model` in
+    bf16."""
     with torch.no_grad():
-        reference = model(ids).logits
+        reference = model.float()(ids).logits
         low = model.to(torch.bfloat16)(ids).logits.float()
     difference = (low - reference).abs()
     assert difference.max().item() <= 0.1

@@ -89,7 +89,7 @@ class ConversionReport:
             f"       -> {self.destination}",
             f"  residual        {self.residual_mode}, block size {self.block_size} sublayers, {self.num_blocks} blocks "
             f"over {self.num_sublayers} sublayers",
-            f"  exact retrofit  {'on (pre-norm eps / k^2)' if self.exact_retrofit else 'off'}",
+            f"  exact retrofit  {'on (step outputs x k)' if self.exact_retrofit else 'off'}",
             f"  weights         {self.num_tensors} tensors in {self.num_shards} shard(s), {self.dtype}, "
             f"{self.depth_parameters} depth-mixing parameters added",
             f"  carried over    {', '.join(self.carried_files) or '-'}",
@@ -133,9 +133,9 @@ def convert(
         dtype: cast floating-point weights to this dtype; by default every tensor keeps its dtype (GGUF files are
             dequantised to float32).
         verify: run source and result on probe prompts and a text, and fail unless they agree within `tolerance`.
-        exact_retrofit: give each pre-norm the eps / k^2 of its depth-mixing step so the result equals the source to
-            float precision (docs/design.md §5). Without it the models differ by the RMSNorm eps, which may fail
-            verification.
+        exact_retrofit: scale each depth-mixing step's output by its number of sources k, so the result equals the
+            source to float precision (docs/design.md §5). Without it the models differ by the RMSNorm eps, which may
+            fail verification.
         gguf_file: the GGUF file inside `source` when `source` is a Hub id or a folder.
         revision: Hub revision for Hub ids.
         tolerance, verify_dtype, text, max_text_tokens: see `verify_conversion`.

@@ -35,7 +35,7 @@ from .verify import Tolerance, VerificationError, VerificationReport, verificati
 
 
 FORMATS = ("fla",)
-# Token ids on which dropping an exact retrofit's per-norm eps is measured.
+# Token ids on which dropping an exact retrofit's output scales is measured.
 _DEVIATION_PROBE = (2, 64)
 
 
@@ -51,7 +51,7 @@ class ExportReport:
     num_tensors: int
     dtype: str
     carried_files: list[str]
-    # With `drop_exact_retrofit`: the largest change of a logit that giving every norm the common eps makes.
+    # With `drop_exact_retrofit`: the largest change of a logit that dropping the steps' output scales makes.
     retrofit_deviation: float | None = None
     seconds: float = 0.0
     verification: VerificationReport | None = None
@@ -67,7 +67,7 @@ class ExportReport:
         ]
         if self.retrofit_deviation is not None:
             lines.append(
-                f"  exact retrofit  dropped: every norm takes the common eps, max |dlogit| "
+                f"  exact retrofit  dropped: no step scales its output, max |dlogit| "
                 f"{self.retrofit_deviation:.3e} on {_DEVIATION_PROBE[0]}x{_DEVIATION_PROBE[1]} random tokens"
             )
         lines.append(f"  time            {self.seconds:.1f} s")
@@ -93,9 +93,9 @@ def export(
 
     Args:
         to: the format; `"fla"`.
-        drop_exact_retrofit: export a converted model (`exact_retrofit`, a per-norm eps) with the common eps FLA
-            has, measuring how far the logits move; refused without it.
-        verify: run FLA's model on the export and this package's on `model` (with the common eps when dropped) on
+        drop_exact_retrofit: export a converted model (`exact_retrofit`, a scale on each step's output) without
+            the scales, which FLA has not, measuring how far the logits move; refused without it.
+        verify: run FLA's model on the export and this package's on `model` (without the retrofit when dropped) on
             probe prompts and a text, and fail unless they agree within `tolerance`; where FLA is not importable the
             report says that only the weights were mapped.
 
@@ -122,9 +122,9 @@ def export(
         resolved = resolve_source(located, staging=work / "source", description=str(model), revision=revision)
         source = AttnResForCausalLM.from_pretrained(resolved.folder).eval()
         reference_folder, deviation = resolved.folder, None
-        if config.exact_retrofit:  # dropped (checked above): what FLA computes is the model with the common eps
-            reference_folder = work / "common-eps"
-            source, deviation = _with_common_eps(source)
+        if config.exact_retrofit:  # dropped (checked above): what FLA computes is the model without it
+            reference_folder = work / "without-retrofit"
+            source, deviation = _without_retrofit(source)
             source.save_pretrained(reference_folder)
 
         output = work / "exported"
@@ -177,14 +177,14 @@ def export(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _with_common_eps(model: AttnResForCausalLM) -> tuple[AttnResForCausalLM, float]:
-    """The model with `exact_retrofit` off (every norm takes `rms_norm_eps`, as in FLA) and the same weights, and the
+def _without_retrofit(model: AttnResForCausalLM) -> tuple[AttnResForCausalLM, float]:
+    """The model with `exact_retrofit` off (no step scales its output, as in FLA) and the same weights, and the
     largest change of a logit that makes on random tokens."""
     config = AttnResConfig.from_dict({**model.config.to_dict(), "exact_retrofit": False})
-    common = AttnResForCausalLM(config).to(model.dtype).eval()
-    common.load_state_dict(model.state_dict())
+    unscaled = AttnResForCausalLM(config).to(model.dtype).eval()
+    unscaled.load_state_dict(model.state_dict())
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(config.vocab_size, _DEVIATION_PROBE, generator=generator)
     with torch.no_grad():
-        deviation = (common(ids).logits.float() - model(ids).logits.float()).abs().max().item()
-    return common, deviation
+        deviation = (unscaled(ids).logits.float() - model(ids).logits.float()).abs().max().item()
+    return unscaled, deviation

@@ -6,7 +6,7 @@ pseudo-query per step (`*_res_proj`, `[1, D]`), a softmax over depth and the pre
 size also counts sublayers. So a checkpoint maps onto `AttnResForCausalLM` by renaming alone, in both directions;
 the table is `fla_names` and docs/conversion.md. What FLA's model can have and this one cannot (softmax attention in
 only some layers, `qk_norm`, another activation) is refused, and so is what this model can have and FLA's cannot
-(blocks that split a layer, MoE, the comparison residuals, a per-norm eps, biases outside q/k/v).
+(blocks that split a layer, MoE, the comparison residuals, an exact retrofit's output scales, biases outside q/k/v).
 """
 
 import importlib.util
@@ -163,9 +163,9 @@ def check_fla_exportable(config: AttnResConfig, drop_exact_retrofit: bool) -> No
     if config.exact_retrofit and not drop_exact_retrofit:
         raise refuse(
             "exact_retrofit",
-            "FLA has one eps for every norm, so the per-norm eps of an exact retrofit cannot be kept; pass "
-            "--drop-exact-retrofit (drop_exact_retrofit=True) to export with the common eps, and the export measures "
-            "and reports how much the logits move",
+            "FLA has no scale on a step's output, so an exact retrofit cannot be kept; pass --drop-exact-retrofit "
+            "(drop_exact_retrofit=True) to export without it, and the export measures and reports how much the "
+            "logits move",
         )
 
 
