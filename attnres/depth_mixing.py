@@ -161,10 +161,14 @@ class DepthAttention(DepthMixer):
         self.block = slice(block_start, min(block_start + block_size, num_sublayers))
         next_end = min(position + block_size, num_sublayers)
         self.next_block = slice(position, next_end) if position < num_sublayers else None
+        # The blocks the state holds after the last sublayer, b_0 included: the most any phase 1 reads.
+        self.num_blocks = num_depth_sources(num_sublayers + 1, block_size, num_sublayers)
 
     def initial_state(self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, record_inputs: bool):
         """b_0 = the embedding; with gathered queries, phase 1 for the first block (this step's)."""
-        kernels = depth_kernels(inputs_embeds.device, self.depth_kernel, differentiable=torch.is_grad_enabled())
+        kernels = depth_kernels(
+            inputs_embeds.device, self.depth_kernel, torch.is_grad_enabled(), num_blocks=self.num_blocks, eps=self.eps
+        )
         context = DepthContext(kernels, record_inputs)
         if queries is None:
             blocks_inv_rms = inverse_rms(inputs_embeds, self.eps).unsqueeze(0)

@@ -21,6 +21,7 @@ from .two_phase import block_input as reference_block_input
 from .two_phase import cast, inverse_rms, merge_partial
 from .two_phase import phase2 as reference_phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
+from .two_phase_torch import padded_phase1
 from .two_phase_torch import phase1 as torch_phase1
 from .two_phase_torch import phase1_rms_norm as torch_phase1_rms_norm
 from .two_phase_torch import phase2_rms_norm as torch_phase2_rms_norm
@@ -105,13 +106,50 @@ def block_input_in_region(obar: torch.Tensor, dtype: torch.dtype, scale: torch.T
     return cast(obar if scale is None else _scaled(obar, scale), dtype)
 
 
-# What torch.compile traces on the CPU: `two_phase_torch`, and the sublayer inputs for an engine's norm in regions.
-# Phase 2 fused with the model's own norm is not a region: its norm's eps, eps / k² under `exact_retrofit`
-# (docs/design.md §5), differs per step, a region is traced anew for every eps, and torch refuses a ninth.
-COMPILED_TORCH_KERNELS = TORCH_KERNELS._replace(phase2=phase2_in_region, block_input=block_input_in_region)
+_padded_phase1_region = _region(padded_phase1)
 
 
-def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiable: bool = True) -> DepthKernels:
+def compiled_torch_kernels(device: torch.device, num_blocks: int, eps: float) -> DepthKernels:
+    """What torch.compile traces on the CPU: `two_phase_torch`, with phase 1 and the sublayer inputs for an engine's
+    norm as nested compile regions, each traced and compiled once and called by every step, where inlined inductor
+    would generate and compile kernels anew for each (the offsets of a step's query, phase-1 row and output scale
+    are constants in their code, and the number of blocks phase 1 reads is a shape).
+
+    Phase 1 reads the blocks padded to the number the state ends with, `num_blocks` (`two_phase_torch.padded_phase1`),
+    so it has the same shapes at every block; it recomputes their inverse RMS with `eps` (the state's
+    `blocks_inv_rms` grows with every block), and the padding is uninitialised memory that it masks out: one
+    distinct tensor per slot, since a region handed the same tensor twice computes the wrong result (torch 2.13).
+
+    Phase 2 fused with the model's own norm is not a region: its norm's eps, eps / k² under `exact_retrofit`
+    (docs/design.md §5), differs per step, a region is traced anew for every eps, and torch refuses a ninth.
+    """
+    # Which blocks count when phase 1 reads n of them: row n - 1, a view, so the region reads no constant of its own.
+    valid = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=device).tril()
+    # eps as a tensor: under `dynamic=True` it is a symbolic float, which a region does not take.
+    eps_tensor = torch.full((), eps, device=device)
+
+    def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        padding = [torch.empty_like(blocks[0]) for _ in range(num_blocks - len(blocks))]
+        obar, lse = _padded_phase1_region(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
+        return obar.unbind(0), lse
+
+    def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
+        # The state's inverse RMS, which phase 1 here does not read: unless another step reads it, the compiler
+        # drops it.
+        return torch_append_inverse_rms(blocks_inv_rms, blocks[-1], eps), *phase1(blocks, blocks_inv_rms, queries)
+
+    return TORCH_KERNELS._replace(
+        phase1=phase1, close_block=close_block, phase2=phase2_in_region, block_input=block_input_in_region
+    )
+
+
+def depth_kernels(
+    device: torch.device,
+    depth_kernel: str = "auto",
+    differentiable: bool = True,
+    num_blocks: int = 1,
+    eps: float = 1e-6,
+) -> DepthKernels:
     """The implementations for tensors on `device` under the setting: the config's `depth_kernel` (`auto` or
     `reference`), else the environment variable `ATTNRES_DEPTH_KERNEL`, either of which can say `reference`:
 
@@ -122,20 +160,25 @@ def depth_kernels(device: torch.device, depth_kernel: str = "auto", differentiab
       interpreter, `TRITON_INTERPRET=1`, for tests), or in a checkpoint's remote code.
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
-    wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, and the
-    sublayer inputs for an engine's norm in nested compile regions (`COMPILED_TORCH_KERNELS`).
+    wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, with
+    phase 1 and the sublayer inputs for an engine's norm in nested compile regions (`compiled_torch_kernels`, for
+    a state of `num_blocks` blocks whose inverse RMS takes `eps`).
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in SETTINGS:
         raise ValueError(f"ATTNRES_DEPTH_KERNEL={override!r} is invalid: allowed values are {', '.join(SETTINGS)}")
     setting = "reference" if depth_kernel == "reference" else override
     if torch.compiler.is_compiling():  # dynamo does not trace into the cache; the choice is traced instead
-        return _choose(device.type, setting, differentiable, compiling=True)
+        compiled = compiled_torch_kernels(device, num_blocks, eps)
+        return _choose(device.type, setting, differentiable, compiled)
     return _remembered(device.type, setting, differentiable)
 
 
-def _choose(device_type: str, setting: str, differentiable: bool, compiling: bool = False) -> DepthKernels:
-    torch_kernels = (COMPILED_TORCH_KERNELS if compiling else TORCH_KERNELS)._replace(differentiable=differentiable)
+def _choose(
+    device_type: str, setting: str, differentiable: bool, compiled: DepthKernels | None = None
+) -> DepthKernels:
+    compiling = compiled is not None
+    torch_kernels = (compiled if compiling else TORCH_KERNELS)._replace(differentiable=differentiable)
     if setting == "reference":
         return torch_kernels
     if not PACKAGED:

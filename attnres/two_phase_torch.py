@@ -156,6 +156,28 @@ def phase1(
     return obar.movedim(-2, 0), lse.movedim(-1, 0)
 
 
+def padded_phase1(
+    valid: torch.Tensor, queries: torch.Tensor, eps: float | torch.Tensor, *blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`phase1` over `blocks` of which only the first ones count: `valid` `[M]` (bool, a prefix) says which; the rest
+    is padding, whatever it holds. The inverse RMS of the blocks is computed here, from the blocks themselves, with
+    `eps` (a float or a 0-d fp32 tensor).
+
+    What torch.compile runs (kernel_dispatch.py): with the blocks padded to their final number M, every block's
+    phase 1 has the same shapes and reads no constant of its own, so inductor compiles it once rather than once per
+    number of blocks. Differentiated by autograd, not by hand: it runs only inside torch.compile.
+
+    Returns `obar` `[S, *tokens, D]` and `lse` `[S, *tokens]`, fp32.
+    """
+    values = torch.where(valid.unsqueeze(-1), torch.stack(blocks, dim=-2).float(), 0.0)  # [*tokens, M, D]
+    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [*tokens, M]
+    logits = torch.where(valid.unsqueeze(-1), (values @ queries.transpose(0, 1)) * inv_rms.unsqueeze(-1), -torch.inf)
+    lse = torch.logsumexp(logits, dim=-2)  # [*tokens, S]
+    weights = torch.exp(logits - lse.unsqueeze(-2))
+    obar = weights.transpose(-1, -2) @ values  # [*tokens, S, M] @ [*tokens, M, D]
+    return obar.movedim(-2, 0), lse.movedim(-1, 0)
+
+
 def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
     """`blocks_inv_rms` `[N, *tokens]` with the inverse RMS of the newly completed `block` appended (its keys are
     normalised once, here, and reused by every later query): `[N + 1, *tokens]`."""
