@@ -167,7 +167,12 @@ class DepthAttention(DepthMixer):
     def initial_state(self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, record_inputs: bool):
         """b_0 = the embedding; with gathered queries, phase 1 for the first block (this step's)."""
         kernels = depth_kernels(
-            inputs_embeds.device, self.depth_kernel, torch.is_grad_enabled(), num_blocks=self.num_blocks, eps=self.eps
+            inputs_embeds.device,
+            self.depth_kernel,
+            torch.is_grad_enabled(),
+            num_blocks=self.num_blocks,
+            num_queries=self.block.stop - self.block.start,
+            eps=self.eps,
         )
         context = DepthContext(kernels, record_inputs)
         if queries is None:
@@ -274,10 +279,13 @@ def output_scale(config, position: int) -> int:
     return zero_query_divisor(config, position)
 
 
-def output_scales(config, device: torch.device) -> torch.Tensor | None:
-    """Every mixer's output scale `[L + 1]`, fp32, for the steps to read as tensors; `None` where all are 1."""
+def output_scales(config, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """Every mixer's output scale as a 0-d fp32 tensor, in order (L + 1), for the steps to read as tensors; `None`
+    where all are 1. One tensor split into views: one operation per forward pass, not one per step."""
     scales = [output_scale(config, position) for position in range(1, config.num_sublayers + 2)]
-    return None if all(scale == 1 for scale in scales) else torch.tensor(scales, dtype=torch.float32, device=device)
+    if all(scale == 1 for scale in scales):
+        return None
+    return torch.tensor(scales, dtype=torch.float32, device=device).unbind(0)
 
 
 def zero_query_divisor(config, position: int) -> int:

@@ -30,12 +30,13 @@ class DepthContext(NamedTuple):
         `None` for the modes that compute no depth attention.
     record_inputs: whether the inputs of the attention sublayers and of the final norm are recorded
         (`output_hidden_states`), which the model computes besides what it goes on with.
-    output_scales: every step's output scale `[L + 1]` (fp32; `depth_mixing.output_scales`), `None` where all are 1.
+    output_scales: every step's output scale, 0-d fp32 tensors in order (`depth_mixing.output_scales`), `None` where
+        all are 1.
     """
 
     kernels: DepthKernels | None = None
     record_inputs: bool = False
-    output_scales: torch.Tensor | None = None
+    output_scales: tuple[torch.Tensor, ...] | None = None
 
 
 class ResidualStream(NamedTuple):

@@ -109,16 +109,19 @@ def block_input_in_region(obar: torch.Tensor, dtype: torch.dtype, scale: torch.T
 _padded_phase1_region = _region(padded_phase1)
 
 
-def compiled_torch_kernels(device: torch.device, num_blocks: int, eps: float) -> DepthKernels:
+def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: int, eps: float) -> DepthKernels:
     """What torch.compile traces on the CPU: `two_phase_torch`, with phase 1 and the sublayer inputs for an engine's
     norm as nested compile regions, each traced and compiled once and called by every step, where inlined inductor
     would generate and compile kernels anew for each (the offsets of a step's query, phase-1 row and output scale
     are constants in their code, and the number of blocks phase 1 reads is a shape).
 
     Phase 1 reads the blocks padded to the number the state ends with, `num_blocks` (`two_phase_torch.padded_phase1`),
-    so it has the same shapes at every block; it recomputes their inverse RMS with `eps` (the state's
-    `blocks_inv_rms` grows with every block), and the padding is uninitialised memory that it masks out: one
-    distinct tensor per slot, since a region handed the same tensor twice computes the wrong result (torch 2.13).
+    and scores `num_queries` queries (a block's; fewer are padded with zeros), so it has the same shapes at every
+    block and at the output step: torch inlines a region called only once, and inlined, phase 1's stack of blocks
+    is miscompiled next to the regions inside vLLM's graph (torch 2.13; the merge regions are passed a buffer that
+    inductor has reused). It recomputes the blocks' inverse RMS with `eps` (the state's `blocks_inv_rms` grows with
+    every block), and the padding is uninitialised memory that it masks out: one distinct tensor per slot, since a
+    region handed the same tensor twice computes the wrong result (torch 2.13).
 
     Phase 2 fused with the model's own norm is not a region: its norm's eps, eps / k² under `exact_retrofit`
     (docs/design.md §5), differs per step, a region is traced anew for every eps, and torch refuses a ninth.
@@ -130,8 +133,11 @@ def compiled_torch_kernels(device: torch.device, num_blocks: int, eps: float) ->
 
     def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
         padding = [torch.empty_like(blocks[0]) for _ in range(num_blocks - len(blocks))]
+        count = queries.shape[0]
+        if count < num_queries:
+            queries = torch.cat([queries, queries.new_zeros(num_queries - count, queries.shape[1])])
         obar, lse = _padded_phase1_region(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
-        return obar.unbind(0), lse
+        return obar[:count].unbind(0), lse[:count]
 
     def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
         # The state's inverse RMS, which phase 1 here does not read: unless another step reads it, the compiler
@@ -148,6 +154,7 @@ def depth_kernels(
     depth_kernel: str = "auto",
     differentiable: bool = True,
     num_blocks: int = 1,
+    num_queries: int = 1,
     eps: float = 1e-6,
 ) -> DepthKernels:
     """The implementations for tensors on `device` under the setting: the config's `depth_kernel` (`auto` or
@@ -162,14 +169,14 @@ def depth_kernels(
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
     wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, with
     phase 1 and the sublayer inputs for an engine's norm in nested compile regions (`compiled_torch_kernels`, for
-    a state of `num_blocks` blocks whose inverse RMS takes `eps`).
+    a state of `num_blocks` blocks whose inverse RMS takes `eps`, and blocks of up to `num_queries` steps).
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in SETTINGS:
         raise ValueError(f"ATTNRES_DEPTH_KERNEL={override!r} is invalid: allowed values are {', '.join(SETTINGS)}")
     setting = "reference" if depth_kernel == "reference" else override
     if torch.compiler.is_compiling():  # dynamo does not trace into the cache; the choice is traced instead
-        compiled = compiled_torch_kernels(device, num_blocks, eps)
+        compiled = compiled_torch_kernels(device, num_blocks, num_queries, eps)
         return _choose(device.type, setting, differentiable, compiled)
     return _remembered(device.type, setting, differentiable)
 

@@ -626,9 +626,9 @@ def test_engine_norms_compute_the_model_function(kernel, exact_retrofit, monkeyp
 def test_torch_compile_traces_phase_1_and_the_sublayer_inputs_once_for_every_step(dynamic, monkeypatch):
     """Under torch.compile, phase 1 and, with an engine's norms (vLLM's backend swaps them in), the steps' own parts
     of the sublayer inputs are nested compile regions (`kernel_dispatch.compiled_torch_kernels`): the graph calls one
-    traced subgraph for every block's phase 1 (over the blocks padded to their final number), one at every step that
-    merges a partial sum and one at every block's first step for its output scale (exact retrofit), so inductor
-    compiles their kernels once, not per block or per step (the output step's own are one set).
+    traced subgraph for every block's phase 1 and the output's (over the blocks padded to their final number), one at
+    every step that merges a partial sum and one at every block's first step for its output scale (exact retrofit),
+    and the output step, so inductor compiles their kernels once, not per block or per step.
     Static shapes, `dynamic=True` (where eps is a symbolic float) and a dynamic token axis (as vLLM marks it) alike;
     the compiled model computes the eager one's logits, within 1e-5 as the two-phase form is of the naive one (the
     padded phase 1 is another exact form, `test_padded_phase1_matches_the_reference`)."""
@@ -655,7 +655,7 @@ def test_torch_compile_traces_phase_1_and_the_sublayer_inputs_once_for_every_ste
     merging_steps = [step for step in steps if step.block_offset > 0]
     assert len(steps) == 12 and len(merging_steps) == 8  # 12 sublayers in blocks of 3: 4 blocks
     subgraphs = collections.Counter(node.args[0].target for node in regions)
-    assert sorted(subgraphs.values()) == [4, 4, len(merging_steps)]  # phase 1 per block, first steps, merges
+    assert sorted(subgraphs.values()) == [5, 5, len(merging_steps)]  # phase 1 and scale per block and output; merges
 
 
 @pytest.mark.parametrize("kernel", ["reference", "auto", "cpu"])
