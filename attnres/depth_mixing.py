@@ -281,10 +281,11 @@ def output_scale(config, position: int) -> int:
 
 def output_scales(config, device: torch.device) -> tuple[torch.Tensor, ...] | None:
     """Every mixer's output scale as a 0-d fp32 tensor, in order (L + 1), for the steps to read as tensors; `None`
-    where all are 1. One tensor split into views: one operation per forward pass, not one per step."""
+    where all are 1 (no exact retrofit). One tensor split into views: one operation per forward pass, not one per
+    step."""
+    if output_scale(config, config.num_sublayers + 1) == 1:
+        return None  # under an exact retrofit the output step's k is at least 2: it attends over b_0 and a block
     scales = [output_scale(config, position) for position in range(1, config.num_sublayers + 2)]
-    if all(scale == 1 for scale in scales):
-        return None
     return torch.tensor(scales, dtype=torch.float32, device=device).unbind(0)
 
 

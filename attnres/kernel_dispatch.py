@@ -132,21 +132,16 @@ def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: i
     eps_tensor = torch.full((), eps, device=device)
 
     def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        # `blocks_inv_rms` is not read: the state still appends to it, and the compiler drops what nothing reads.
         padding = [torch.empty_like(blocks[0]) for _ in range(num_blocks - len(blocks))]
         count = queries.shape[0]
         if count < num_queries:
             queries = torch.cat([queries, queries.new_zeros(num_queries - count, queries.shape[1])])
         obar, lse = _padded_phase1_region(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
-        return obar[:count].unbind(0), lse[:count]
+        return obar[:count], lse[:count]
 
-    def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
-        # The state's inverse RMS, which phase 1 here does not read: unless another step reads it, the compiler
-        # drops it.
-        return torch_append_inverse_rms(blocks_inv_rms, blocks[-1], eps), *phase1(blocks, blocks_inv_rms, queries)
-
-    return TORCH_KERNELS._replace(
-        phase1=phase1, close_block=close_block, phase2=phase2_in_region, block_input=block_input_in_region
-    )
+    kernels = composed(phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
+    return kernels._replace(phase2=phase2_in_region, block_input=block_input_in_region)
 
 
 def depth_kernels(
