@@ -21,7 +21,7 @@ from torch import nn
 from .depth_state import DepthContext, DepthMixer, DepthState, ResidualStream
 from .kernel_dispatch import depth_kernels
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import as_float32, inverse_rms
+from .two_phase import as_float32, block_input, inverse_rms, phase2
 
 
 try:
@@ -51,8 +51,8 @@ class PendingInput(NamedTuple):
 
     `scale` is the step's output scale k (1 but under `exact_retrofit`, docs/design.md §5): the fused norm folds it
     into its eps, `RMSNorm(k h; eps) = RMSNorm(h; eps / k²)`, and `value` multiplies by `scale_tensor`, the same k as
-    a 0-d tensor, so that under torch.compile every step's kernels read k as an input instead of a constant of their
-    own.
+    the step's 0-d buffer, so that under torch.compile every step's kernels read k as an input instead of a constant
+    of their own.
     """
 
     compute: Callable
@@ -90,13 +90,14 @@ class DepthQuery(nn.Module):
         return query if self.key_norm_weight is None else query * as_float32(self.key_norm_weight)
 
 
-def stack_queries(steps: Sequence[DepthQuery]) -> torch.Tensor | None:
-    """Every step's folded query stacked `[len(steps), D]`, or `None` when a parameter cannot be read outside its own
-    layer's forward: a shard of FSDP2 (a DTensor), or the empty placeholder FSDP1 and DeepSpeed ZeRO-3 leave until the
-    owning unit gathers it."""
+def gather_queries(steps: Sequence[DepthQuery]) -> tuple[torch.Tensor, ...] | None:
+    """Every step's folded query `[D]`, in order, or `None` when a parameter cannot be read outside its own layer's
+    forward: a shard of FSDP2 (a DTensor), or the empty placeholder FSDP1 and DeepSpeed ZeRO-3 leave until the owning
+    unit gathers it. Separate tensors, not rows of one: under torch.compile a row's offset would be a constant in the
+    kernels of the step that reads it, which would then differ from step to step (docs/design.md §8)."""
     if not all(holds_full_values(step) for step in steps):
         return None
-    return torch.stack([step() for step in steps])
+    return tuple(step() for step in steps)
 
 
 def holds_full_values(step: DepthQuery) -> bool:
@@ -151,6 +152,9 @@ class DepthAttention(DepthMixer):
         self.position = position
         self.depth_kernel = depth_kernel
         self.output_scale = output_scale
+        # k as a tensor, for `PendingInput.value` (`None` where it is 1); not saved: the config determines it.
+        scale_tensor = torch.tensor(float(output_scale)) if output_scale != 1 else None
+        self.register_buffer("output_scale_tensor", scale_tensor, persistent=False)
         # Which of its block's phase-1 rows this step reads; the output step (L + 1) is a block of its own.
         self.block_offset = (position - 1) % block_size if position <= num_sublayers else 0
         # A block closes after its last sublayer and after the network's last, so the output sees complete blocks.
@@ -179,7 +183,7 @@ class DepthAttention(DepthMixer):
             blocks_inv_rms = inverse_rms(inputs_embeds, self.eps).unsqueeze(0)
             return DepthState(blocks=(inputs_embeds,), blocks_inv_rms=blocks_inv_rms), context
         no_blocks_inv_rms = inputs_embeds.new_empty((0, *inputs_embeds.shape[:-1]), dtype=torch.float32)
-        first_block = queries[self.block]
+        first_block = torch.stack(queries[self.block])
         blocks_inv_rms, rows, lse = kernels.close_block((inputs_embeds,), no_blocks_inv_rms, first_block, self.eps)
         state = DepthState((inputs_embeds,), blocks_inv_rms, queries=queries, phase1_rows=rows, lse=lse)
         return state, context
@@ -196,15 +200,11 @@ class DepthAttention(DepthMixer):
         else:  # the output step, or no gathered queries: phase 1 for this step's own query
             (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, self.step_query(state).unsqueeze(0))
             lse = lse[0]
-        scale = (self.output_scale, self.scale_tensor(context))
+        scale = (self.output_scale, self.output_scale_tensor)
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
-            return PendingInput(kernels.block_input, kernels.phase1_rms_norm, (row, state.blocks[0].dtype), *scale)
+            return PendingInput(block_input, kernels.phase1_rms_norm, (row, state.blocks[0].dtype), *scale)
         args = (row, lse, state.partial, self.step_query(state), self.eps)
-        return PendingInput(kernels.phase2, kernels.phase2_rms_norm, args, *scale)
-
-    def scale_tensor(self, context: DepthContext) -> torch.Tensor | None:
-        """This step's output scale as a 0-d fp32 tensor, `None` where it is 1."""
-        return None if context.output_scales is None else context.output_scales[self.position - 1]
+        return PendingInput(phase2, kernels.phase2_rms_norm, args, *scale)
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:
         kernels = context.kernels
@@ -224,7 +224,7 @@ class DepthAttention(DepthMixer):
         if state.queries is None or self.next_block is None:
             blocks_inv_rms = kernels.append_inverse_rms(state.blocks_inv_rms, partial, self.eps)
             return DepthState(blocks, blocks_inv_rms, queries=state.queries)
-        next_queries = state.queries[self.next_block]
+        next_queries = torch.stack(state.queries[self.next_block])
         blocks_inv_rms, rows, lse = kernels.close_block(blocks, state.blocks_inv_rms, next_queries, self.eps)
         return DepthState(blocks, blocks_inv_rms, queries=state.queries, phase1_rows=rows, lse=lse)
 
@@ -277,16 +277,6 @@ def output_scale(config, position: int) -> int:
     if config.residual_mode not in ("full", "block") or not config.exact_retrofit:
         return 1
     return zero_query_divisor(config, position)
-
-
-def output_scales(config, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-    """Every mixer's output scale as a 0-d fp32 tensor, in order (L + 1), for the steps to read as tensors; `None`
-    where all are 1 (no exact retrofit). One tensor split into views: one operation per forward pass, not one per
-    step."""
-    if output_scale(config, config.num_sublayers + 1) == 1:
-        return None  # under an exact retrofit the output step's k is at least 2: it attends over b_0 and a block
-    scales = [output_scale(config, position) for position in range(1, config.num_sublayers + 2)]
-    return torch.tensor(scales, dtype=torch.float32, device=device).unbind(0)
 
 
 def zero_query_divisor(config, position: int) -> int:

@@ -30,13 +30,10 @@ class DepthContext(NamedTuple):
         `None` for the modes that compute no depth attention.
     record_inputs: whether the inputs of the attention sublayers and of the final norm are recorded
         (`output_hidden_states`), which the model computes besides what it goes on with.
-    output_scales: every step's output scale, 0-d fp32 tensors in order (`depth_mixing.output_scales`), `None` where
-        all are 1.
     """
 
     kernels: DepthKernels | None = None
     record_inputs: bool = False
-    output_scales: tuple[torch.Tensor, ...] | None = None
 
 
 class ResidualStream(NamedTuple):
@@ -55,19 +52,20 @@ class DepthState(NamedTuple):
         separate: re-stacking them per block would copy every earlier block (quadratic in depth for Full AttnRes).
     blocks_inv_rms: their inverse RMS `[N, batch, seq]`, fp32 (keys are normalised once per block).
     partial: the running sum of the current block's outputs, `None` before its first sublayer.
-    queries: every step's pseudo-query folded with its key-norm gain `[L + 1, D]`, fp32, or `None` where the queries
-        cannot be read up front (sharded parameters, the ablations): each step then reads its own.
+    queries: every step's pseudo-query folded with its key-norm gain, `[D]` fp32 each, in order (L + 1), or `None`
+        where the queries cannot be read up front (sharded parameters, the ablations): each step then reads its own.
     phase1_rows: phase 1 for each step of the current block, `[batch, seq, D]` fp32 each, computed when the previous
         block closed; empty after the last sublayer and where there are no queries.
-    lse: phase 1's log-sum-exp for those steps `[S, batch, seq]`, fp32.
+    lse: phase 1's log-sum-exp for those steps, `[batch, seq]` fp32 each: stacked `[S, batch, seq]`, or a tuple
+        (what the kernels return, `kernel_dispatch.DepthKernels`).
     """
 
     blocks: tuple[torch.Tensor, ...]
     blocks_inv_rms: torch.Tensor
     partial: torch.Tensor | None = None
-    queries: torch.Tensor | None = None
+    queries: tuple[torch.Tensor, ...] | None = None
     phase1_rows: tuple[torch.Tensor, ...] = ()
-    lse: torch.Tensor | None = None
+    lse: torch.Tensor | tuple[torch.Tensor, ...] | None = None
 
     def at_positions(self, logits_to_keep: int | torch.Tensor) -> "DepthState":
         """The state after the last sublayer (complete blocks, no phase 1) at the positions `logits_to_keep` selects,

@@ -17,9 +17,6 @@ from typing import NamedTuple
 
 import torch
 
-from .two_phase import block_input as reference_block_input
-from .two_phase import cast, inverse_rms, merge_partial
-from .two_phase import phase2 as reference_phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import padded_phase1
 from .two_phase_torch import phase1 as torch_phase1
@@ -37,8 +34,7 @@ class DepthKernels(NamedTuple):
     `phase1` returns phase 1's output as a tuple of its S rows `[*tokens, D]` (one per step, the form the depth state
     holds), and `close_block(blocks, blocks_inv_rms, queries, eps)` is what the step that closes a block computes:
     the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
-    `(blocks_inv_rms, rows, lse)`. `phase2` is phase 2 alone (`two_phase.phase2`) and `block_input` a block's first
-    input (`two_phase.block_input`): the sublayer inputs for a norm that is not the model's own (an engine's).
+    `(blocks_inv_rms, rows, lse)`; `lse` is indexed by row too (stacked, or a tuple).
 
     `differentiable`: whether autograd records the forward pass they were chosen for; when it does not, a step may
     update its own tensors in place.
@@ -49,20 +45,14 @@ class DepthKernels(NamedTuple):
     phase2_rms_norm: Callable
     append_inverse_rms: Callable
     close_block: Callable
-    phase2: Callable = reference_phase2
-    block_input: Callable = reference_block_input
     differentiable: bool = True
 
 
 def composed(
-    phase1: Callable, phase1_rms_norm: Callable, phase2_rms_norm: Callable, append_inverse_rms: Callable
+    phase1_rows: Callable, phase1_rms_norm: Callable, phase2_rms_norm: Callable, append_inverse_rms: Callable
 ) -> DepthKernels:
-    """`DepthKernels` from `two_phase_torch`-style operations: `phase1`'s stacked output split into rows, and
-    `close_block` composed of `append_inverse_rms` and `phase1`."""
-
-    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-        obar, lse = phase1(blocks, blocks_inv_rms, queries)
-        return obar.unbind(0), lse
+    """`DepthKernels` from `two_phase_torch`-style operations and a phase 1 that returns rows (`rows_of`), with
+    `close_block` composed of `append_inverse_rms` and `phase1_rows`."""
 
     def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
         blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
@@ -71,77 +61,62 @@ def composed(
     return DepthKernels(phase1_rows, phase1_rms_norm, phase2_rms_norm, append_inverse_rms, close_block)
 
 
-TORCH_KERNELS = composed(torch_phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
+def rows_of(phase1: Callable) -> Callable:
+    """`phase1` (`two_phase_torch.phase1`'s signature) with its stacked output split into rows."""
 
-# Where torch has no nested compile regions, the merge is the plain function.
+    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+        obar, lse = phase1(blocks, blocks_inv_rms, queries)
+        return obar.unbind(0), lse
+
+    return phase1_rows
+
+
+TORCH_KERNELS = composed(rows_of(torch_phase1), torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
+
+# Where torch has no nested compile regions, a region is the plain function.
 _region = getattr(torch.compiler, "nested_compile_region", lambda function: function)
-_merge_region = _region(merge_partial)
-
-
-def phase2_in_region(
-    obar: torch.Tensor,
-    lse: torch.Tensor,
-    partial: torch.Tensor,
-    query: torch.Tensor,
-    eps: float,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`two_phase.phase2` under torch.compile, with its merge (`two_phase.merge_partial`) as one nested compile region:
-    every step merges tensors of the same shapes, so the merge is traced and compiled once and reused by all of them,
-    where inductor would otherwise generate and compile kernels anew for each step (the offsets of a step's query,
-    phase-1 row and output scale are constants in their code). The inverse RMS is computed outside: its eps may be a
-    symbolic float (`dynamic=True`), and a region is reused only for the same inputs. Eager, the region is the plain
-    function."""
-    return _merge_region(obar, lse, partial, query, inverse_rms(partial, eps), scale)
 
 
 @_region
-def _scaled(obar: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return obar * scale
-
-
-def block_input_in_region(obar: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`two_phase.block_input` under torch.compile, with the product by the output scale as one region, for the reason
-    `phase2_in_region` gives."""
-    return cast(obar if scale is None else _scaled(obar, scale), dtype)
-
-
-_padded_phase1_region = _region(padded_phase1)
+def _padded_phase1_rows(valid: torch.Tensor, queries: torch.Tensor, eps: torch.Tensor, *blocks: torch.Tensor):
+    """`two_phase_torch.padded_phase1` as one nested compile region, returning each query's row of `obar` and of
+    `lse` as a tensor of its own: read as views of one tensor, a row's offset in it would be a constant in the kernels
+    of the step that reads it."""
+    obar, lse = padded_phase1(valid, queries, eps, *blocks)
+    return *(row.clone() for row in obar.unbind(0)), *(row.clone() for row in lse.unbind(0))
 
 
 def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: int, eps: float) -> DepthKernels:
-    """What torch.compile traces on the CPU: `two_phase_torch`, with phase 1 and the sublayer inputs for an engine's
-    norm as nested compile regions, each traced and compiled once and called by every step, where inlined inductor
-    would generate and compile kernels anew for each (the offsets of a step's query, phase-1 row and output scale
-    are constants in their code, and the number of blocks phase 1 reads is a shape).
+    """What torch.compile traces on the CPU: `two_phase_torch` inlined, so that inductor fuses each step's phase 2
+    with the sum before it and the norm after it, and phase 1 as one nested compile region, traced and compiled once
+    and called by every block. Inductor compiles each distinct kernel once: every step's kernels are the same code as
+    long as they read no constant of their own, so what a step reads is a tensor of its own (its query, its row of
+    phase 1, its output scale, `DepthAttention.output_scale_tensor`), never a row of a larger one at an offset that
+    inductor would write into its code.
 
-    Phase 1 reads the blocks padded to the number the state ends with, `num_blocks` (`two_phase_torch.padded_phase1`),
-    and scores `num_queries` queries (a block's; fewer are padded with zeros), so it has the same shapes at every
-    block and at the output step: torch inlines a region called only once, and inlined, phase 1's stack of blocks
-    is miscompiled next to the regions inside vLLM's graph (torch 2.13; the merge regions are passed a buffer that
-    inductor has reused). It recomputes the blocks' inverse RMS with `eps` (the state's `blocks_inv_rms` grows with
-    every block), and the padding is uninitialised memory that it masks out: one distinct tensor per slot, since a
-    region handed the same tensor twice computes the wrong result (torch 2.13).
-
-    Phase 2 fused with the model's own norm is not a region: its norm's eps, eps / k² under `exact_retrofit`
-    (docs/design.md §5), differs per step, a region is traced anew for every eps, and torch refuses a ninth.
+    Phase 1 reads the blocks padded to the number the state ends with, `num_blocks`
+    (`two_phase_torch.padded_phase1`), and scores `num_queries` queries (a block's; fewer are padded with zeros), so
+    it has the same shapes at every block and at the output step and one region serves them all: the number of
+    blocks would otherwise be a shape of each block's kernels, and torch inlines a region that is called once. It
+    recomputes the blocks' inverse RMS with `eps` (the state's `blocks_inv_rms` grows with every block), and the
+    padding is uninitialised memory that it masks out: one distinct tensor per slot, since a region handed the same
+    tensor twice computes the wrong result (torch 2.13).
     """
     # Which blocks count when phase 1 reads n of them: row n - 1, a view, so the region reads no constant of its own.
     valid = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=device).tril()
     # eps as a tensor: under `dynamic=True` it is a symbolic float, which a region does not take.
     eps_tensor = torch.full((), eps, device=device)
 
-    def phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
         # `blocks_inv_rms` is not read: the state still appends to it, and the compiler drops what nothing reads.
         padding = [torch.empty_like(blocks[0]) for _ in range(num_blocks - len(blocks))]
         count = queries.shape[0]
         if count < num_queries:
             queries = torch.cat([queries, queries.new_zeros(num_queries - count, queries.shape[1])])
-        obar, lse = _padded_phase1_region(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
-        return obar[:count], lse[:count]
+        rows = _padded_phase1_rows(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
+        return rows[:count], rows[num_queries : num_queries + count]  # obar's rows, then lse's
 
-    kernels = composed(phase1, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
-    return kernels._replace(phase2=phase2_in_region, block_input=block_input_in_region)
+    return composed(phase1_rows, torch_phase1_rms_norm, torch_phase2_rms_norm, torch_append_inverse_rms)
 
 
 def depth_kernels(
@@ -163,8 +138,8 @@ def depth_kernels(
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
     wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, with
-    phase 1 and the sublayer inputs for an engine's norm in nested compile regions (`compiled_torch_kernels`, for
-    a state of `num_blocks` blocks whose inverse RMS takes `eps`, and blocks of up to `num_queries` steps).
+    phase 1 in a nested compile region (`compiled_torch_kernels`, for a state of `num_blocks` blocks whose inverse
+    RMS takes `eps`, and blocks of up to `num_queries` steps).
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in SETTINGS:
@@ -213,7 +188,7 @@ def _choose(
         # The Triton kernel reads the blocks stacked: one extra pass over them per block, not per sublayer.
         return phase1(torch.stack(blocks), blocks_inv_rms, queries)
 
-    kernels = composed(stacked_phase1, torch_phase1_rms_norm, phase2_rms_norm, torch_append_inverse_rms)
+    kernels = composed(rows_of(stacked_phase1), torch_phase1_rms_norm, phase2_rms_norm, torch_append_inverse_rms)
     return kernels._replace(differentiable=differentiable)
 
 

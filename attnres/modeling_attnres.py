@@ -39,7 +39,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
-from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, output_scales, stack_queries
+from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
 from .depth_state import DepthContext, StateLayout, flatten_state
 from .transformers_compat import accepts_past_key_values, output_cache, output_with_cache
 
@@ -251,6 +251,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
             init.zeros_(module.pseudo_query)
             if module.key_norm_weight is not None:
                 init.ones_(module.key_norm_weight)
+        elif isinstance(module, DepthAttention) and module.output_scale_tensor is not None:
+            init.constant_(module.output_scale_tensor, module.output_scale)  # a buffer, not loaded from checkpoints
         elif isinstance(module, MixtralExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -331,7 +333,6 @@ class AttnResModel(AttnResPreTrainedModel):
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].attn_residual
         depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(), record_inputs)
-        depth_context = depth_context._replace(output_scales=output_scales(self.config, inputs_embeds.device))
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 depth_state,
@@ -356,8 +357,8 @@ class AttnResModel(AttnResPreTrainedModel):
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
 
-    def depth_queries(self) -> torch.Tensor | None:
-        """Every step's folded pseudo-query, stacked `[L + 1, D]` in sublayer order (the output step last), so that
+    def depth_queries(self) -> tuple[torch.Tensor, ...] | None:
+        """Every step's folded pseudo-query `[D]` in sublayer order (the output step last), so that
         phase 1 runs once per block for all of its queries (docs/design.md §6). Read through each step's `DepthQuery`
         module, so offloading hooks and PEFT wrappers see the call.
 
@@ -368,7 +369,7 @@ class AttnResModel(AttnResPreTrainedModel):
         if not self.output_residual.two_phase:
             return None
         mixers = [mixer for layer in self.layers for mixer in (layer.attn_residual, layer.mlp_residual)]
-        return stack_queries([mixer.query for mixer in (*mixers, self.output_residual)])
+        return gather_queries([mixer.query for mixer in (*mixers, self.output_residual)])
 
     @torch.no_grad()
     def depth_attention_weights(self, input_ids: torch.LongTensor, **kwargs) -> dict[str, torch.Tensor]:

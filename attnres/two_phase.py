@@ -98,21 +98,8 @@ def phase2(
 
     Returns the sublayer input `k * h` in the dtype of `partial`.
     """
-    return merge_partial(obar, lse, partial, query, inverse_rms(partial, eps), scale)
-
-
-def merge_partial(
-    obar: torch.Tensor,
-    lse: torch.Tensor,
-    partial: torch.Tensor,
-    query: torch.Tensor,
-    partial_inv_rms: torch.Tensor,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`phase2` given the partial sum's inverse RMS `[*tokens]` (fp32): the merge, which reads no constant of the
-    step's own (under torch.compile, kernel_dispatch makes it one region shared by every step)."""
     values = partial.float()
-    gate = torch.sigmoid((values @ query) * partial_inv_rms - lse).unsqueeze(-1)
+    gate = torch.sigmoid((values @ query) * inverse_rms(values, eps) - lse).unsqueeze(-1)
     hidden = torch.lerp(obar, values, gate)
     return (hidden if scale is None else hidden * scale).to(partial.dtype)
 

@@ -171,10 +171,13 @@ def padded_phase1(
     """
     values = torch.where(valid.unsqueeze(-1), torch.stack(blocks, dim=-2).float(), 0.0)  # [*tokens, M, D]
     inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [*tokens, M]
-    logits = torch.where(valid.unsqueeze(-1), (values @ queries.transpose(0, 1)) * inv_rms.unsqueeze(-1), -torch.inf)
+    # Both contractions as sums of products, not matmuls: inductor fuses them into its own loops, where a library
+    # matmul's call costs more than the few multiply-adds of a decoded token (a few blocks, a block's queries).
+    raw = (values.unsqueeze(-2) * queries).sum(-1)  # [*tokens, M, S]
+    logits = torch.where(valid.unsqueeze(-1), raw * inv_rms.unsqueeze(-1), -torch.inf)
     lse = torch.logsumexp(logits, dim=-2)  # [*tokens, S]
     weights = torch.exp(logits - lse.unsqueeze(-2))
-    obar = weights.transpose(-1, -2) @ values  # [*tokens, S, M] @ [*tokens, M, D]
+    obar = (weights.unsqueeze(-1) * values.unsqueeze(-2)).sum(-3)  # [*tokens, S, D]
     return obar.movedim(-2, 0), lse.movedim(-1, 0)
 
 

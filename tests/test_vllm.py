@@ -48,7 +48,7 @@ TINY_SHAPE = dict(
 )
 TINY_MODELS = {
     # With an exact retrofit and a large eps, the output scales (docs/design.md §5) that vLLM's norms read are
-    # visible in the tokens; compiled, the model runs the regions of kernel_dispatch.compiled_torch_kernels.
+    # visible in the tokens; compiled, the model runs kernel_dispatch.compiled_torch_kernels.
     "block": dict(residual_mode="block", block_size=2, exact_retrofit=True, rms_norm_eps=0.1),
     "full": dict(residual_mode="full"),
     "standard": dict(residual_mode="standard"),
