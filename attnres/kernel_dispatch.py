@@ -79,11 +79,11 @@ _region = getattr(torch.compiler, "nested_compile_region", lambda function: func
 
 @_region
 def _padded_phase1_rows(valid: torch.Tensor, queries: torch.Tensor, eps: torch.Tensor, *blocks: torch.Tensor):
-    """`two_phase_torch.padded_phase1` as one nested compile region, returning each query's row of `obar` and of
-    `lse` as a tensor of its own: read as views of one tensor, a row's offset in it would be a constant in the kernels
-    of the step that reads it."""
+    """`two_phase_torch.padded_phase1` as one nested compile region, its rows of `obar` then of `lse`: each a tensor
+    of its own, since as views of one tensor a row's offset in it would be a constant in the kernels of the step that
+    reads it."""
     obar, lse = padded_phase1(valid, queries, eps, *blocks)
-    return *(row.clone() for row in obar.unbind(0)), *(row.clone() for row in lse.unbind(0))
+    return *obar, *lse
 
 
 def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: int, eps: float) -> DepthKernels:

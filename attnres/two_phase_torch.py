@@ -158,7 +158,7 @@ def phase1(
 
 def padded_phase1(
     valid: torch.Tensor, queries: torch.Tensor, eps: float | torch.Tensor, *blocks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """`phase1` over `blocks` of which only the first ones count: `valid` `[M]` (bool, a prefix) says which; the rest
     is padding, whatever it holds. The inverse RMS of the blocks is computed here, from the blocks themselves, with
     `eps` (a float or a 0-d fp32 tensor).
@@ -167,18 +167,21 @@ def padded_phase1(
     phase 1 has the same shapes and reads no constant of its own, so inductor compiles it once rather than once per
     number of blocks. Differentiated by autograd, not by hand: it runs only inside torch.compile.
 
-    Returns `obar` `[S, *tokens, D]` and `lse` `[S, *tokens]`, fp32.
+    Returns each query's row of `obar` `[*tokens, D]` and of `lse` `[*tokens]`, fp32, each a reduction of its own:
+    rows of one stacked result would be views into it, and a region's output that is a view is mistaken by inductor
+    for a buffer of its own, which the graph around the region reuses for larger ones (torch 2.13, at one token, where
+    a row's view is contiguous and its copy is dropped: out-of-bounds writes).
     """
     values = torch.where(valid.unsqueeze(-1), torch.stack(blocks, dim=-2).float(), 0.0)  # [*tokens, M, D]
     inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [*tokens, M]
     # Both contractions as sums of products, not matmuls: inductor fuses them into its own loops, where a library
     # matmul's call costs more than the few multiply-adds of a decoded token (a few blocks, a block's queries).
     raw = (values.unsqueeze(-2) * queries).sum(-1)  # [*tokens, M, S]
-    logits = torch.where(valid.unsqueeze(-1), raw * inv_rms.unsqueeze(-1), -torch.inf)
-    lse = torch.logsumexp(logits, dim=-2)  # [*tokens, S]
-    weights = torch.exp(logits - lse.unsqueeze(-2))
-    obar = (weights.unsqueeze(-1) * values.unsqueeze(-2)).sum(-3)  # [*tokens, S, D]
-    return obar.movedim(-2, 0), lse.movedim(-1, 0)
+    logits = torch.where(valid.unsqueeze(-1), raw * inv_rms.unsqueeze(-1), -torch.inf).unbind(-1)  # S x [*tokens, M]
+    lse = tuple(torch.logsumexp(scores, dim=-1) for scores in logits)
+    weights = (torch.exp(scores - total.unsqueeze(-1)) for scores, total in zip(logits, lse, strict=True))
+    obar = tuple((weight.unsqueeze(-1) * values).sum(-2) for weight in weights)
+    return obar, lse
 
 
 def append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
