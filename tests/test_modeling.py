@@ -433,6 +433,18 @@ def test_cached_generation_equals_uncached(mode):
     assert torch.equal(cached, static)
 
 
+def test_compiled_static_cache_generation_equals_eager():
+    """Generation with a static cache and the forward pass compiled (Transformers' recipe for compiled decoding):
+    each decoding step runs the graph compiled with static shapes at one token, the case of
+    `test_inductor_compiled_one_token_equals_eager`, and its greedy tokens are eager generation's."""
+    model = trained_model(residual_mode="block", block_size=3)
+    prompt = input_batch(model.config, batch=1, length=6)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static")
+    eager = model.generate(prompt, **kwargs)
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    assert torch.equal(model.generate(prompt, disable_compile=True, **kwargs), eager)
+
+
 def test_static_cache_forward_matches_full_forward():
     model = trained_model()
     ids = input_batch(model.config, batch=1, length=9)
