@@ -687,7 +687,7 @@ def test_inductor_compiles_no_kernel_per_step_or_block(engine_norms, monkeypatch
 
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
     kernels = []
-    for num_hidden_layers in (6, 12):
+    for num_hidden_layers in (3, 6):
         model = trained_model(
             residual_mode="block", block_size=3, num_hidden_layers=num_hidden_layers, exact_retrofit=engine_norms
         )

@@ -112,10 +112,12 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {name: tiny_checkpoint(root / name, overrides) for name, overrides in TINY_MODELS.items()}
 
 
-# The runs from remote code alone: every residual mode eager, and the Block models compiled (vLLM's default).
+# The runs from remote code alone: every residual mode eager, and a Block model compiled (vLLM's default). The tiny
+# Block model is the compiled one: compiling SmolLM2's 30 layers would add about three minutes to every CI run, and
+# what compiling can break (a region per block, a kernel per step, a view returned from phase 1's region) shows at
+# any depth with more than one block.
 REMOTE_CODE_RUNS = [
     ("smollm2-block", True),
-    ("smollm2-block", False),
     ("tiny-block", False),
     ("tiny-full", True),
     ("tiny-standard", True),
