@@ -35,6 +35,11 @@ TINY_SHAPE = dict(
 )
 
 
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference between two tensors, compared in fp32."""
+    return (a.float() - b.float()).abs().max().item()
+
+
 def tiny_config(**overrides) -> AttnResConfig:
     """An AttnRes config of `TINY_SHAPE`: untied, Block AttnRes with blocks of 2 sublayers unless overridden."""
     fields = dict(TINY_SHAPE, tie_word_embeddings=False, residual_mode="block", block_size=2)

@@ -28,6 +28,7 @@ from attnres.two_phase import inverse_rms, naive_depth_attention, phase1, phase2
 from conftest import (
     disable_activation_checkpointing,
     enable_activation_checkpointing,
+    max_diff,
     randomize_depth_parameters,
     tiny_config,
 )
@@ -57,10 +58,6 @@ def attnres_from(reference: torch.nn.Module, **overrides) -> AttnResForCausalLM:
 def input_batch(config, batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, config.vocab_size, (batch, length), generator=generator)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 # ---------------------------------------------------------------------------------------------- standard == Llama

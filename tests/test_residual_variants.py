@@ -19,7 +19,7 @@ from attnres.residual_variants import HyperStreams
 from attnres.residual_variants import ManifoldHyperConnection, RecomputedSinkhornKnopp, sinkhorn_knopp
 from attnres.two_phase import inverse_rms
 
-from conftest import disable_activation_checkpointing, enable_activation_checkpointing, tiny_config
+from conftest import disable_activation_checkpointing, enable_activation_checkpointing, max_diff, tiny_config
 
 
 VARIANTS = {
@@ -39,10 +39,6 @@ VARIANTS = {
 def input_batch(config, batch: int = 2, length: int = 11, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, config.vocab_size, (batch, length), generator=generator)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 def randomize_residual_parameters(model: torch.nn.Module, seed: int = 0) -> None:

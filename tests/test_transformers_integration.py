@@ -23,7 +23,7 @@ from transformers.masking_utils import sdpa_mask
 from attnres import AttnResForCausalLM, AttnResForSequenceClassification, AttnResModel
 from attnres.transformers_compat import CACHE_NAME
 
-from conftest import randomize_depth_parameters, tiny_config
+from conftest import max_diff, randomize_depth_parameters, tiny_config
 
 
 def trained(**overrides) -> AttnResForCausalLM:
@@ -81,7 +81,7 @@ def test_past_key_values_is_the_cache_with_a_deprecation_warning(model_class):
         warned = any("`past_key_values` is deprecated" in str(w.message) for w in caught)
         assert warned == (CACHE_NAME == "cache")
         rest = output(model(ids[:, 7:], past_key_values=cache, use_cache=True))
-    assert (torch.cat([first, rest], 1) - full).abs().max().item() <= 1e-5
+    assert max_diff(torch.cat([first, rest], 1), full) <= 1e-5
 
 
 # ------------------------------------------------------------------------------------ attention backends
