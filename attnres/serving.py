@@ -16,9 +16,6 @@ import sys
 from collections.abc import Sequence
 
 
-ATTNRES_CLASS_NAMES = ("AttnResModel", "AttnResForCausalLM", "AttnResForSequenceClassification")
-
-
 def name_attnres_classes_for_the_server() -> None:
     """Make the server's `getattr(transformers, name)` find the AttnRes classes, in this process only. The names go
     on the module the server holds: importing parts of Transformers 5.25 can put another `transformers` module object
@@ -27,7 +24,7 @@ def name_attnres_classes_for_the_server() -> None:
 
     import attnres
 
-    for name in ATTNRES_CLASS_NAMES:
+    for name in ("AttnResModel", "AttnResForCausalLM", "AttnResForSequenceClassification"):
         setattr(model_manager.transformers, name, getattr(attnres, name))
 
 
