@@ -1,12 +1,14 @@
-"""Configuration of AttnRes models: a Llama / Mixtral decoder whose residual connections can be replaced by
-softmax attention over depth (Kimi Team, "Attention Residuals", arXiv:2603.15031)."""
+"""Configuration of AttnRes models: a Transformers decoder family (Llama by default) whose residual connections can
+be replaced by softmax attention over depth (Kimi Team, "Attention Residuals", arXiv:2603.15031)."""
 
+import dataclasses
 import math
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .families import FAMILIES, layer_types, legacy_family
 from .transformers_compat import CACHE_NAME
 
 
@@ -57,45 +59,25 @@ def layers_per_block(num_hidden_layers: int) -> int:
     )
 
 
-# Tensor- and expert-parallel plans of the shared weights: Llama's for attention and the dense MLP, Mixtral's for
-# the experts.
-ATTENTION_TP_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-}
-MLP_TP_PLAN = {
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-MOE_TP_PLAN = {
-    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-    "layers.*.mlp.experts.down_proj": "rowwise",
-    "layers.*.mlp.experts": "moe_tp_experts",
-}
-MOE_EP_PLAN = {
-    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-    "layers.*.mlp.experts.down_proj": "grouped_gemm",
-    "layers.*.mlp.experts": "ep_dispatch_experts",
-}
-
-
 class AttnResConfig(PreTrainedConfig):
     r"""
-    Configuration for [`AttnResModel`] and [`AttnResForCausalLM`].
+    Configuration for [`AttnResModel`] and [`AttnResForCausalLM`]: a decoder family's own configuration plus the
+    residual fields below.
 
-    Every field Llama and Mixtral use keeps its Transformers name and meaning, so a Llama or Mixtral config maps onto
-    this one field by field. The MoE MLP is used when `num_local_experts > 0`; otherwise each decoder layer has a
-    dense SwiGLU MLP.
+    `family` names the Transformers decoder family whose modules the model is built from (`families.py`: `"llama"`,
+    `"qwen3"`, `"gemma3_text"`, `"olmo2"`, `"phi3"`, `"granite"`, ...). Every field of that family's config is a field
+    of this one, with its name, meaning and default derivation (Gemma 3's `layer_types`, Qwen2's window), so the
+    family's modules read this config as their own and Transformers' caches and masks see the family's layout. The
+    fields listed in the class are Llama's and Mixtral's, the default family: a dense model, or Mixtral's MoE when
+    `num_local_experts > 0`. A config saved without `family` is read as the family its fields imply (Mixtral for
+    experts, Qwen2 for `qkv_bias`, Mistral for a window, else Llama).
 
-    `qkv_bias=True` puts a bias on the query, key and value projections only (Qwen2's layout), where
-    `attention_bias=True` puts one on all four attention projections (Llama's).
+    `qkv_bias=True` (of configs saved before `family`) means Qwen2: a bias on the query, key and value projections
+    only, where `attention_bias=True` puts one on all four attention projections (Llama's).
 
     Residual fields:
         residual_mode (`str`, defaults to `"block"`):
-            `"standard"`: PreNorm residual, bit-compatible with Llama / Mixtral.
+            `"standard"`: the family's own residual stream, bit-compatible with its `*ForCausalLM`.
             `"full"`: Full AttnRes, every sublayer attends over the embedding and every earlier sublayer output.
             `"block"`: Block AttnRes, sublayers are grouped into blocks of `block_size`; a sublayer attends over the
             completed block sums and the running sum of its own block.
@@ -177,6 +159,7 @@ class AttnResConfig(PreTrainedConfig):
     output_router_logits: bool = False
     router_jitter_noise: float = 0.0
     # AttnRes fields
+    family: str | None = None
     residual_mode: str = "block"
     block_size: int | None = None
     exact_retrofit: bool = False
@@ -195,6 +178,12 @@ class AttnResConfig(PreTrainedConfig):
         for field in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
             self._check_positive_int(field)
         self._check_int_range("num_local_experts", 0, math.inf, "0 (a dense MLP) or a positive number of experts")
+        if self.family is None:  # saved before configs named their family: read as the Llama superset it was
+            self.family = legacy_family(self)
+            if self.family == "qwen2" and self.sliding_window is not None:  # the window was on in every layer
+                kwargs = {"use_sliding_window": True, "max_window_layers": 0, **kwargs}
+            if self.rope_parameters is None and not {"rope_theta", "rope_scaling"} & kwargs.keys():
+                self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}  # Llama's, not Mixtral's
         if self.head_dim is None:
             if self.hidden_size % (2 * self.num_attention_heads):
                 self._fail(
@@ -207,13 +196,33 @@ class AttnResConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.block_size is None:
             self.block_size = 2 * layers_per_block(self.num_hidden_layers)
-        # Llama's plan for attention, and Llama's for the dense MLP or Mixtral's for the experts, whichever this
-        # config builds. The depth-mixing modules stay replicated: they read the full hidden states that `o_proj` and
-        # `down_proj` all-reduce. An attribute, not a property: Transformers < 5.20 extends it for tied embeddings.
-        self.base_model_tp_plan = {**ATTENTION_TP_PLAN, **(MOE_TP_PLAN if self.is_moe else MLP_TP_PLAN)}
+        self._check_own_fields()  # before the family's config, whose checks would not name this config's field
+        kwargs = self._adopt_family_fields(kwargs)
+        # An attribute, not a property: Transformers < 5.20 extends it for tied embeddings.
+        self.base_model_tp_plan = dict(FAMILIES[self.family].tp_plan)
         super().__post_init__(**kwargs)
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
-        self._check_fields()
+        self._check_family_fields()
+
+    def _adopt_family_fields(self, kwargs: dict) -> dict:
+        """Build the family's own config from this one's values and the family's fields among `kwargs`, and take every
+        field the family declares from it: what the family derives (Gemma 3's `layer_types` and per-type RoPE,
+        Qwen2's window off unless `use_sliding_window`) is derived as the family does. Returns the other kwargs."""
+        family_class = FAMILIES[self.family].config_class
+        names = [name for name in _declared_fields(family_class) if name not in _GENERIC_FIELDS]
+        given = {name: getattr(self, name) for name in names if name not in kwargs and hasattr(self, name)}
+        source = family_class(**given, **{key: value for key, value in kwargs.items() if key not in _GENERIC_FIELDS})
+        for name in names:
+            setattr(self, name, getattr(source, name))
+        return {key: value for key, value in kwargs.items() if key not in names}
+
+    def to_diff_dict(self) -> dict:
+        """What `save_pretrained` writes: the fields that differ from a default config, and every field the family
+        declares, whose defaults differ from family to family (Mixtral's RoPE base is not Llama's), so that a reload
+        never falls back on another family's default."""
+        family_fields = set(_declared_fields(FAMILIES[self.family].config_class)) - _GENERIC_FIELDS
+        everything = self.to_dict()
+        return {**super().to_diff_dict(), **{name: everything[name] for name in family_fields if name in everything}}
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -244,8 +253,8 @@ class AttnResConfig(PreTrainedConfig):
 
     @property
     def base_model_ep_plan(self) -> dict[str, str] | None:
-        """Mixtral's expert-parallel plan for an MoE config; a dense config has no experts to place."""
-        return MOE_EP_PLAN if self.is_moe else None
+        """The MoE family's expert-parallel plan; a dense config has no experts to place."""
+        return FAMILIES[self.family].ep_plan if self.is_moe else None
 
     def _fail(self, field: str, allowed: str) -> None:
         raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r}: must be {allowed}")
@@ -266,6 +275,12 @@ class AttnResConfig(PreTrainedConfig):
     def _check_fields(self) -> None:
         """Every field with a domain; a bad one raises a one-line `ValueError` naming it, its value and what is
         allowed."""
+        self._check_own_fields()
+        self._check_family_fields()
+
+    def _check_own_fields(self) -> None:
+        if self.family not in FAMILIES:
+            self._fail("family", "one of " + ", ".join(repr(name) for name in FAMILIES))
         for field in _BOOL_FIELDS:
             if not isinstance(getattr(self, field), bool):
                 self._fail(field, "a bool (True or False)")
@@ -293,8 +308,6 @@ class AttnResConfig(PreTrainedConfig):
             experts = self.num_local_experts
             allowed = f"an integer from 1 to num_local_experts = {experts}"
             self._check_int_range("num_experts_per_tok", 1, experts, allowed)
-        if self.sliding_window is not None:
-            self._check_int_range("sliding_window", 1, math.inf, "None or a positive integer")
         if self.depth_ablation is not None and (
             self.depth_ablation not in DEPTH_ABLATIONS or self.residual_mode not in ("full", "block")
         ):
@@ -303,6 +316,30 @@ class AttnResConfig(PreTrainedConfig):
         if not _is_int(self.depth_heads) or self.depth_heads < 1 or self.hidden_size % self.depth_heads:
             self._fail("depth_heads", f"a positive divisor of hidden_size = {self.hidden_size}")
         self._check_int_range("hc_streams", 2, math.inf, "an integer >= 2 (one stream is the plain residual)")
+
+    def _check_family_fields(self) -> None:
+        """The Llama-superset fields this class declares must mean something in the family: a value other than the
+        default is refused where the family's config has no such field (an MoE in a dense family, a bias or a window
+        its attention does not have)."""
+        if "sliding_attention" in layer_types(self):
+            self._check_int_range("sliding_window", 1, math.inf, "a positive integer: layer_types has windowed layers")
+        declared = set(_declared_fields(FAMILIES[self.family].config_class))
+        for field, default in (("attention_bias", False), ("mlp_bias", False), ("sliding_window", None)):
+            if getattr(self, field) != default and field not in declared:
+                self._fail(field, f"{default!r}: family {self.family!r} has no such field")
+        if self.is_moe and not FAMILIES[self.family].moe:
+            self._fail("num_local_experts", f"0: family {self.family!r} has no experts")
+        if self.qkv_bias and self.family != "qwen2" and "qkv_bias" not in declared:
+            self._fail("qkv_bias", f"False: it means family 'qwen2', and family is {self.family!r}")
+
+
+def _declared_fields(config_class: type) -> list[str]:
+    """The fields a config class declares, and the names its `attribute_map` gives them."""
+    return [field.name for field in dataclasses.fields(config_class)] + list(config_class.attribute_map)
+
+
+# Fields every config has, which no family defines differently.
+_GENERIC_FIELDS = frozenset(field.name for field in dataclasses.fields(PreTrainedConfig))
 
 
 def _is_int(value: object) -> bool:

@@ -1,14 +1,13 @@
-"""AttnRes: a Llama / Mixtral decoder whose residual connections are softmax attention over depth.
+"""AttnRes: a Transformers decoder whose residual connections are softmax attention over depth.
 
-Kimi Team, "Attention Residuals" (arXiv:2603.15031). The attention, MLP and MoE sublayers are Llama's and Mixtral's,
-with their parameter names, so Llama and Mixtral checkpoints convert by copying tensors. What changes is what each
-sublayer reads: instead of the running residual stream, a depth-mixing module (`depth_mixing.py`) in front of every
-sublayer and of the final norm computes its input from everything the network has produced so far. The model's
-forward loop owns that depth state (`depth_state.py`) and threads it through the decoder layers. The math is in
-docs/design.md.
+Kimi Team, "Attention Residuals" (arXiv:2603.15031). The sublayers are the source family's own Transformers modules
+(attention, MLP or MoE, norms, rotary embedding; `families.py` says which), built by the family's decoder-layer class
+with their parameter names, so checkpoints of that family convert by copying tensors and the standard mode equals
+the family's `*ForCausalLM`. What changes is what each sublayer reads: instead of the running residual stream, a
+depth-mixing module (`depth_mixing.py`) in front of every sublayer and of the final norm computes its input from
+everything the network has produced so far. The model's forward loop owns that depth state (`depth_state.py`) and
+threads it through the decoder layers. The math is in docs/design.md.
 """
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,20 +18,8 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
-from transformers.models.mixtral.modeling_mixtral import (
-    MixtralExperts,
-    MixtralSparseMoeBlock,
-    MixtralTopKRouter,
-    load_balancing_loss_func,
-)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -41,11 +28,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
 from .depth_state import DepthContext, StateLayout, flatten_state
-from .transformers_compat import accepts_past_key_values, output_cache, output_with_cache
+from .families import FAMILIES, Family, Sublayer, layer_types
+from .transformers_compat import CACHE_NAME, accepts_past_key_values, output_cache, output_with_cache
 
 
 class AttnResRMSNorm(LlamaRMSNorm):
-    """Llama's RMSNorm (in fp32, cast back, then the gain): the pre-norms and the final norm.
+    """Llama's RMSNorm (in fp32, cast back, then the gain), which Transformers copies into most families: the
+    pre-norms and the final norm of those families (`Family.llama_norm`).
 
     A depth-attention step hands over its last phase uncomputed (a `PendingInput`, on every implementation alike),
     and the norm computes it fused with its own normalisation, so the sublayer input never goes through memory.
@@ -57,13 +46,14 @@ class AttnResRMSNorm(LlamaRMSNorm):
         return super().forward(hidden_states)
 
 
-def pre_norm(norm: nn.Module, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
-    """`norm(hidden_states)`, for the norm in front of a sublayer or of the output: a `PendingInput` goes to the
-    model's own norm, which fuses it, and is computed first for any other. Engines replace the norms with their own
-    (vLLM's Transformers backend swaps every module it recognises as an RMSNorm) and must see the same function."""
+def pre_norm(norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
+    """`norm(hidden_states)`, for the norm in front of a sublayer or of the output (none in front of OLMo 2's
+    sublayers): a `PendingInput` goes to the model's own norm, which fuses it, and is computed first for any other.
+    Engines replace the norms with their own (vLLM's Transformers backend swaps every module it recognises as an
+    RMSNorm) and must see the same function."""
     if isinstance(hidden_states, PendingInput) and not isinstance(norm, AttnResRMSNorm):
         hidden_states = hidden_states.value()
-    return norm(hidden_states)
+    return hidden_states if norm is None else norm(hidden_states)
 
 
 class RecordedHiddenState(nn.Module):
@@ -76,97 +66,29 @@ class RecordedHiddenState(nn.Module):
         return hidden_states.value() if isinstance(hidden_states, PendingInput) else hidden_states
 
 
-class AttnResRotaryEmbedding(LlamaRotaryEmbedding):
-    pass
-
-
-class AttnResMLP(LlamaMLP):
-    """Llama's dense SwiGLU MLP."""
-
-
-class AttnResSparseMoeBlock(MixtralSparseMoeBlock):
-    """Mixtral's sparse MoE: top-k softmax router and fused experts (router logits are recorded by hooks)."""
-
-
-class AttnResAttention(nn.Module):
-    """Llama's grouped-query attention, plus Mixtral / Mistral's optional sliding window and Qwen2's q/k/v bias."""
-
-    def __init__(self, config: AttnResConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        qkv_bias = config.attention_bias or config.qkv_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
-        )
-
-    # Undecorated, unlike the other forwards (`accepts_past_key_values`): vLLM's Transformers backend traces this one
-    # with fx to fuse q/k/v into one projection, and a wrapper stops its trace. The decoder layer passes `cache`.
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.config.sliding_window,
-            **kwargs,
-        )
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
-
-
 class AttnResDecoderLayer(GradientCheckpointingLayer):
-    """An attention sublayer and an MLP (or MoE) sublayer, each behind its own depth-mixing module.
+    """The family's attention sublayer and MLP (or MoE) sublayer, each behind its own depth-mixing module.
 
-    The layer maps the depth state to the next one. Under activation checkpointing the state crosses the layer's
-    boundary flattened to positional tensors (`__call__`), the only form in which reentrant checkpointing recomputes
-    and differentiates through all of them; what is not a tensor (the state's layout, the forward pass's
+    The family's own decoder-layer class builds the modules, which this layer holds under the family's names; the
+    family's row (`families.Family`) says which norm each sublayer reads through and which modules its output goes
+    through. The layer maps the depth state to the next one. Under activation checkpointing the state crosses the
+    layer's boundary flattened to positional tensors (`__call__`), the only form in which reentrant checkpointing
+    recomputes and differentiates through all of them; what is not a tensor (the state's layout, the forward pass's
     `DepthContext`) travels as keywords.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
+        family = FAMILIES[config.family]
+        for name, module in family.cls("DecoderLayer")(config, layer_idx).named_children():
+            self.add_module(name, module)
+        self.attention, self.feed_forward = family.sublayers
+        if family.llama_norm:  # the same function, fused with the depth step in front of it
+            for sublayer in family.sublayers:
+                self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.residual_multiplier = getattr(config, family.residual_multiplier) if family.residual_multiplier else None
+        self.attention_type = layer_types(config)[layer_idx]
         attn_position, mlp_position = 2 * layer_idx + 1, 2 * layer_idx + 2
-        self.self_attn = AttnResAttention(config, layer_idx)
-        self.mlp = AttnResSparseMoeBlock(config) if config.is_moe else AttnResMLP(config)
-        self.input_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attn_residual = depth_mixer(config, attn_position)
         self.mlp_residual = depth_mixer(config, mlp_position)
         self.recorded_input = RecordedHiddenState()
@@ -195,22 +117,44 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if depth_context.record_inputs:
             self.recorded_input(hidden_states)
         attn_output, _ = self.self_attn(
-            pre_norm(self.input_layernorm, hidden_states),
+            hidden_states=self.sublayer_input(self.attention, hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **{CACHE_NAME: cache},
             **kwargs,
         )
-        state = self.attn_residual.absorb(attn_output, state, depth_context)
+        state = self.attn_residual.absorb(self.branch_output(self.attention, attn_output), state, depth_context)
 
         hidden_states = self.mlp_residual(state, depth_context)
-        mlp_output = self.mlp(pre_norm(self.post_attention_layernorm, hidden_states))
-        state = self.mlp_residual.absorb(mlp_output, state, depth_context)
+        mlp_output = self.mlp(self.sublayer_input(self.feed_forward, hidden_states))
+        state = self.mlp_residual.absorb(self.branch_output(self.feed_forward, mlp_output), state, depth_context)
         if depth_layout is None:
             return state
         tensors, layout = flatten_state(state)
         return *tensors, layout
+
+    def sublayer_input(self, sublayer: Sublayer, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
+        """What the sublayer's module reads: the depth step's result through the sublayer's pre-norm, if it has one."""
+        return pre_norm(getattr(self, sublayer.pre_norm) if sublayer.pre_norm else None, hidden_states)
+
+    def branch_output(self, sublayer: Sublayer, output: torch.Tensor) -> torch.Tensor:
+        """The sublayer's output v_l as it joins the stream: through its post-norm or residual dropout, and scaled by
+        the family's residual multiplier (Granite)."""
+        for name in sublayer.post:
+            output = getattr(self, name)(output)
+        return output if self.residual_multiplier is None else output * self.residual_multiplier
+
+
+def family_initialisation(config: AttnResConfig) -> PreTrainedModel:
+    """The family's `*PreTrainedModel` holding `config`, to run the family's own `_init_weights` on its modules
+    (Gemma's zero norm gains and embedding scale, Gemma 3's per-type rotary frequencies, the experts of the MoE
+    families). That method may call `super()`, which needs an instance of the family's class: this one is never
+    initialised as a module and holds nothing but the config, which is all the method reads."""
+    family_class = FAMILIES[config.family].cls("PreTrainedModel")
+    initialisation = family_class.__new__(family_class)
+    initialisation.config = config
+    return initialisation
 
 
 class AttnResPreTrainedModel(PreTrainedModel):
@@ -219,32 +163,45 @@ class AttnResPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["AttnResDecoderLayer"]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     # `hidden_states[i]` is the input the i-th decoder layer's attention sublayer reads (the depth-mixed input under
-    # AttnRes, the residual stream in standard mode, where this equals Llama's), and the last entry is the output
-    # after the final norm, each computed by a `RecordedHiddenState`.
+    # AttnRes, the residual stream in standard mode, where this equals the family's), and the last entry is the output
+    # after the final norm, each computed by a `RecordedHiddenState`. Attentions and router logits are recorded by
+    # module name, which every family shares (`self_attn`, and `mlp.gate` for the router), where its classes differ.
     _can_record_outputs = {
         "hidden_states": [
             OutputRecorder(None, class_name="recorded_input", capture_initial_hidden_state=False),
             OutputRecorder(None, class_name="recorded_output", capture_initial_hidden_state=False),
         ],
-        "attentions": OutputRecorder(AttnResAttention, index=1),
-        "router_logits": OutputRecorder(MixtralTopKRouter, index=0),
+        "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
+        "router_logits": OutputRecorder(None, index=0, class_name="mlp.gate"),
     }
+
+    # The attention implementations the family's attention supports (Gemma 2's soft-capping has no SDPA), which
+    # Transformers reads from the model when it picks one.
+    @property
+    def _supports_sdpa(self) -> bool:
+        return FAMILIES[self.config.family].cls("PreTrainedModel")._supports_sdpa
+
+    @property
+    def _supports_flash_attn(self) -> bool:
+        return FAMILIES[self.config.family].cls("PreTrainedModel")._supports_flash_attn
+
+    @property
+    def _supports_flex_attn(self) -> bool:
+        return FAMILIES[self.config.family].cls("PreTrainedModel")._supports_flex_attn
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        """The MoE experts are Mixtral's `MixtralExperts`, which dispatch on `config._experts_implementation`, so the
-        model takes Mixtral's default (`grouped_mm`) and `experts_implementation=` like Mixtral. Transformers decides
-        this by finding `@use_experts_implementation` in the model's own source file, where it is not."""
+        """The MoE experts are the family's (`MixtralExperts` and its copies), which dispatch on
+        `config._experts_implementation`, so the model takes the family's default (`grouped_mm`) and
+        `experts_implementation=` like it. Transformers decides this by finding `@use_experts_implementation` in the
+        model's own source file, where it is not."""
         return True
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
+        family_initialisation(self.config)._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, DepthQuery):
             # Zero pseudo-queries: uniform depth attention, which reproduces the PreNorm residual up to the norms.
@@ -253,11 +210,6 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 init.ones_(module.key_norm_weight)
         elif isinstance(module, DepthAttention) and module.output_scale_tensor is not None:
             init.constant_(module.output_scale_tensor, module.output_scale)  # a buffer, not loaded from checkpoints
-        elif isinstance(module, MixtralExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, MixtralTopKRouter):
-            init.normal_(module.weight, mean=0.0, std=std)
         if hasattr(module, "init_residual_parameters"):
             # Comparison residuals and AttnRes ablations (residual_variants.py, depth_ablations.py) initialise their own
             # parameters as their papers do, most of them so that a fresh model equals the PreNorm baseline.
@@ -270,14 +222,18 @@ class AttnResModel(AttnResPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
 
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        family = FAMILIES[config.family]
+        self.embed_tokens = family.embedding(config)
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.output_residual = depth_mixer(config, config.num_sublayers + 1)
-        self.norm = AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        norm = AttnResRMSNorm if family.llama_norm else family.cls("RMSNorm")
+        self.norm = norm(config.hidden_size, eps=config.rms_norm_eps)
         self.recorded_output = RecordedHiddenState()
-        self.rotary_emb = AttnResRotaryEmbedding(config=config)
+        self.rotary_emb = family.cls("RotaryEmbedding")(config)
+        self.rotary_per_layer_type = family.rotary_per_layer_type
+        self.embedding_multiplier = getattr(config, family.embedding_multiplier) if family.embedding_multiplier else None
         self.gradient_checkpointing = False
 
         self.post_init()
@@ -316,6 +272,8 @@ class AttnResModel(AttnResPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            inputs_embeds = inputs_embeds * self.embedding_multiplier
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
@@ -325,10 +283,13 @@ class AttnResModel(AttnResPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
-        # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
-        causal_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        masks = attention_mask  # `generate` may have made them, one per attention type
+        if not isinstance(masks, dict):
+            masks = self.attention_masks(inputs_embeds, attention_mask, cache, position_ids)
+        if self.rotary_per_layer_type:
+            position_embeddings = {kind: self.rotary_emb(inputs_embeds, position_ids, kind) for kind in masks}
+        else:
+            position_embeddings = dict.fromkeys(masks, self.rotary_emb(inputs_embeds, position_ids))
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].attn_residual
@@ -337,8 +298,8 @@ class AttnResModel(AttnResPreTrainedModel):
             depth_state = decoder_layer(
                 depth_state,
                 depth_context=depth_context,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
+                attention_mask=masks[decoder_layer.attention_type],
+                position_embeddings=position_embeddings[decoder_layer.attention_type],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
@@ -356,6 +317,21 @@ class AttnResModel(AttnResPreTrainedModel):
             self.recorded_output(recorded)
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
+
+    def attention_masks(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.LongTensor,
+    ) -> dict[str, torch.Tensor | None]:
+        """The mask of every attention type the layers use (`families.layer_types`), as the family's model makes them."""
+        mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
+        return {
+            kind: mask_functions[kind](self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+            for kind in dict.fromkeys(layer.attention_type for layer in self.layers)
+        }
 
     def depth_queries(self) -> tuple[torch.Tensor, ...] | None:
         """Every step's folded pseudo-query `[D]` in sublayer order (the output step last), so that
@@ -408,8 +384,23 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.config.family]
+
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def family_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, soft-capped
+        by Gemma's `final_logit_softcapping`."""
+        family = self.family
+        if family.logits_divisor is not None:
+            logits = logits / getattr(self.config, family.logits_divisor)
+        cap = getattr(self.config, family.logit_softcap) if family.logit_softcap else None
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
@@ -444,7 +435,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        logits = self.lm_head(outputs.last_hidden_state)
+        logits = self.family_logits(self.lm_head(outputs.last_hidden_state))
 
         loss = None
         if labels is not None:
@@ -452,7 +443,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
         aux_loss = None
         if output_router_logits:
-            aux_loss = load_balancing_loss_func(
+            aux_loss = self.family.modeling.load_balancing_loss_func(
                 outputs.router_logits, self.config.num_local_experts, self.config.num_experts_per_tok, attention_mask
             )
             if labels is not None:

@@ -30,7 +30,6 @@ from conftest import TINY_SHAPE
 
 
 HUB_ID = "attnres-tests/no-such-model"  # a well-formed Hub id that is neither cached nor local
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -180,8 +179,9 @@ CASES = {
     "convert post-norm BertForMaskedLM": Case(
         convert_(lambda f: f.bert),
         ConversionError,
-        "BertForMaskedLM uses post-norm sublayers (a norm after the sublayer output), so the residual stream is not "
-        f"a plain sum; AttnRes conversion is exact only for PreNorm decoders (supported: {SUPPORTED}).",
+        "BertForMaskedLM uses true post-norm sublayers, norm(h + f(h)): the norm is applied to the residual stream "
+        "itself, so the stream is not a plain sum of the sublayers' outputs; AttnRes conversion is exact only for "
+        "residual-sum decoders.",
     ),
     # configuration
     "config exact_retrofit": Case(

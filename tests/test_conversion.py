@@ -181,12 +181,15 @@ def test_qwen2_qkv_bias_converts_exactly(tmp_path):
     torch.testing.assert_close(logits(converted, ids), logits(model, ids), atol=1e-5, rtol=0)
 
 
-def test_qwen2_mixed_sliding_layers_refused(tmp_path):
+def test_qwen2_mixed_sliding_layers_convert(tmp_path):
+    """Windowed and full layers in one model: each layer keeps its own attention type and mask."""
     source, _ = tiny_source(
         tmp_path, Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=4, max_window_layers=1
     )
-    with pytest.raises(ConversionError, match="mixes sliding-window and full-attention layers"):
-        convert(source, tmp_path / "out", verify=False, progress=False)
+    report = convert(source, tmp_path / "out", progress=False)
+    assert report.verification.max_abs_logit_diff <= 1e-4
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["layer_types"][0] == "full_attention" and config["layer_types"][-1] == "sliding_attention"
 
 
 def test_dtype_is_preserved_unless_asked(tmp_path):
@@ -240,10 +243,12 @@ def test_unsupported_architecture_is_named(tmp_path):
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
-def test_post_norm_is_refused(tmp_path):
+def test_post_branch_norm_converts(tmp_path):
+    """OLMo 2 normalises each sublayer's output inside the branch, h + norm(f(h)): its stream is a plain sum of the
+    branches, so it converts exactly; only a norm of the stream itself, norm(h + f(h)), is refused."""
     source, _ = tiny_source(tmp_path, Olmo2Config, Olmo2ForCausalLM)
-    with pytest.raises(ConversionError, match="Olmo2ForCausalLM uses post-norm"):
-        convert(source, tmp_path / "out", progress=False)
+    report = convert(source, tmp_path / "out", progress=False)
+    assert report.architecture == "Olmo2ForCausalLM" and report.verification.max_abs_logit_diff <= 1e-4
 
 
 def test_parallel_residual_is_refused(tmp_path):

@@ -16,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from attnres import AttnResConfig, AttnResForCausalLM
-from conftest import free_port, wait_until_healthy
+from attnres.conversion import convert
+from conftest import free_port, randomize_depth_parameters, wait_until_healthy
+from family_cases import save_source
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -106,10 +108,28 @@ def run_in_vllm(jobs: list[dict], tmp_path: Path, with_attnres: bool) -> list[di
     return json.loads(results_path.read_text())
 
 
+# Families other than Llama's, converted from their own tiny checkpoints (tests/family_cases.py: q/k norms, Gemma's
+# sandwich norms, scaled embedding and windowed layers), with heads vLLM's CPU attention supports.
+FAMILY_MODELS = {"qwen3": dict(head_dim=32), "gemma3": dict(head_dim=32, query_pre_attn_scalar=32)}
+
+
+def family_checkpoint(folder: Path, case: str, overrides: dict) -> Path:
+    """The case's source converted to Block AttnRes, its depth parameters then made trained-looking."""
+    source = save_source(case, folder / "source", **overrides)
+    convert(source, folder / "converted", mode="block", verify=False, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(folder / "converted")
+    randomize_depth_parameters(model)
+    model.save_pretrained(folder / "model")
+    return folder / "model"
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm-tiny")
-    return {name: tiny_checkpoint(root / name, overrides) for name, overrides in TINY_MODELS.items()}
+    models = {name: tiny_checkpoint(root / name, overrides) for name, overrides in TINY_MODELS.items()}
+    for name, overrides in FAMILY_MODELS.items():
+        models[name] = family_checkpoint(root / name, "gemma3_text" if name == "gemma3" else name, overrides)
+    return models
 
 
 # The runs from remote code alone: every residual mode eager, and a Block model compiled (vLLM's default). The tiny
@@ -122,6 +142,8 @@ REMOTE_CODE_RUNS = [
     ("tiny-full", True),
     ("tiny-standard", True),
     ("tiny-moe", True),
+    ("tiny-qwen3", True),
+    ("tiny-gemma3", True),
 ]
 
 

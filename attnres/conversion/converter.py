@@ -187,7 +187,7 @@ def convert(
             architecture, config, rename = f"FLA {FLA_ARCHITECTURE}", fla_target, FlaRenamer(fla_target)
         else:
             original_config = AutoConfig.from_pretrained(resolved.folder)
-            architecture = source_architecture(original_config).name
+            architecture = source_architecture(original_config).architecture
             config = attnres_config(original_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
             rename = TensorRenamer(config)
         num_tensors, num_shards, depth_parameters, model_dtype = write_weights(

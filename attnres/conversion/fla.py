@@ -16,11 +16,14 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..configuration_attnres import AttnResConfig
+from ..families import layer_types
 from .architectures import ConversionError
 
 
 FLA_MODEL_TYPE = "transformer"
 FLA_ARCHITECTURE = "TransformerForCausalLM"
+# The families whose decoder FLA's Transformer computes: Llama's, with a window (Mistral) or q/k/v biases (Qwen2).
+FLA_FAMILIES = ("llama", "mistral", "qwen2")
 # The config field only FLA's AttnRes families have: a config with it is read as FLA's.
 FLA_BLOCK_FIELD = "attnres_block_size"
 _FLA_ACTIVATIONS = ("swish", "silu")
@@ -141,6 +144,12 @@ def check_fla_exportable(config: AttnResConfig, drop_exact_retrofit: bool) -> No
     def refuse(field: str, allowed: str) -> ConversionError:
         return ConversionError(f"AttnResConfig.{field}={getattr(config, field)!r}: {allowed} for FLA (--to fla)")
 
+    if config.family not in FLA_FAMILIES:
+        raise refuse(
+            "family", f"FLA's Transformer is a Llama decoder: one of {', '.join(map(repr, FLA_FAMILIES))}"
+        )
+    if len(set(layer_types(config))) > 1:
+        raise refuse("layer_types", "FLA windows every layer or none")
     if config.residual_mode not in ("block", "full") or config.depth_ablation is not None:
         field = "residual_mode" if config.depth_ablation is None else "depth_ablation"
         raise refuse(field, "FLA has Block and Full AttnRes only (residual_mode 'block' or 'full', no ablation)")
@@ -181,9 +190,9 @@ def fla_config(config: AttnResConfig) -> dict:
         "num_heads": config.num_attention_heads,
         "num_kv_heads": config.num_key_value_heads,
         "hidden_act": "swish",
-        "qkv_bias": config.qkv_bias,
+        "qkv_bias": config.family == "qwen2",
         "qk_norm": False,
-        "window_size": config.sliding_window,
+        "window_size": config.sliding_window if "sliding_attention" in layer_types(config) else None,
         "rope_theta": (config.rope_parameters or {}).get("rope_theta", 10000.0),
         "max_position_embeddings": config.max_position_embeddings,
         "norm_eps": config.rms_norm_eps,
@@ -206,7 +215,7 @@ def fla_names(config: AttnResConfig) -> dict[str, str]:
         names["lm_head.weight"] = "lm_head.weight"
     names["model.res_proj.weight"] = "model.output_residual.query.pseudo_query"
     names["model.res_norm.weight"] = "model.output_residual.query.key_norm_weight"
-    biases = ("q", "k", "v") if config.qkv_bias else ()
+    biases = ("q", "k", "v") if config.family == "qwen2" else ()
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}."  # the same prefix in both
         names[layer + "attn_norm.weight"] = layer + "input_layernorm.weight"
