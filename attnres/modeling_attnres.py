@@ -82,7 +82,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         family = FAMILIES[config.family]
         for name, module in family.cls("DecoderLayer")(config, layer_idx).named_children():
             self.add_module(name, module)
-        self.attention, self.feed_forward = family.sublayers
+        self.attention_sublayer, self.mlp_sublayer = family.sublayers
         if family.llama_norm:  # the same function, fused with the depth step in front of it
             for sublayer in family.sublayers:
                 self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
@@ -117,18 +117,18 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if depth_context.record_inputs:
             self.recorded_input(hidden_states)
         attn_output, _ = self.self_attn(
-            hidden_states=self.sublayer_input(self.attention, hidden_states),
+            hidden_states=self.sublayer_input(self.attention_sublayer, hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{CACHE_NAME: cache},
             **kwargs,
         )
-        state = self.attn_residual.absorb(self.branch_output(self.attention, attn_output), state, depth_context)
+        state = self.attn_residual.absorb(self.branch_output(self.attention_sublayer, attn_output), state, depth_context)
 
         hidden_states = self.mlp_residual(state, depth_context)
-        mlp_output = self.mlp(self.sublayer_input(self.feed_forward, hidden_states))
-        state = self.mlp_residual.absorb(self.branch_output(self.feed_forward, mlp_output), state, depth_context)
+        mlp_output = self.mlp(self.sublayer_input(self.mlp_sublayer, hidden_states))
+        state = self.mlp_residual.absorb(self.branch_output(self.mlp_sublayer, mlp_output), state, depth_context)
         if depth_layout is None:
             return state
         tensors, layout = flatten_state(state)

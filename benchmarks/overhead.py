@@ -1,7 +1,8 @@
-"""What AttnRes costs on top of Transformers' own Llama / Mixtral, on the CPU, each model in a process of its own.
+"""What AttnRes costs on top of the family's own Transformers model (Llama, Mixtral, Qwen3), on the CPU, each model in
+a process of its own.
 
-For each shape, every model gets the same weights as the baseline (`LlamaForCausalLM`, or `MixtralForCausalLM` for
-the MoE rows) and runs in a process of its own, which times the samples it is asked for (the messages between the
+For each shape, every model gets the same weights as the baseline (the shape's family: `LlamaForCausalLM`,
+`MixtralForCausalLM` for the MoE rows, `Qwen3ForCausalLM` for the Qwen3 rows) and runs in a process of its own, which times the samples it is asked for (the messages between the
 processes are not timed). The workloads are timed in interleaved rounds, one process computing at a time: the
 baseline runs right before each AttnRes model, whose order rotates from round to round (baseline, standard,
 baseline, block, baseline, full; then baseline, block, baseline, full, baseline, standard; ...). The table reports
@@ -71,25 +72,33 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, StaticCache
+from transformers import DynamicCache, StaticCache
 
 from attnres import AttnResConfig, AttnResForCausalLM
+from attnres.families import FAMILIES
 from attnres.kernel_dispatch import depth_kernels
 
 
+# Each shape names its family (`attnres/families.py`): the baseline is that family's model.
 SHAPES = {
     # SmolLM2-135M: 30 decoder layers (60 sublayers), default Block AttnRes S = 8 -> 8 blocks
     "smollm2-135m": dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rms_norm_eps=1e-5,
     ),
     "small": dict(
-        vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        family="llama", vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
     ),
     "small-moe": dict(
-        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2,
+        family="mixtral", vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2,
+    ),
+    # The small shape as Qwen3: q/k RMSNorms in every attention.
+    "small-qwen3": dict(
+        family="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
     ),
 }
 MODES = ("standard", "block", "full")
@@ -98,19 +107,19 @@ PREFILL_TOKENS, DECODE_PROMPT, DECODE_STEPS, TRAIN_BATCH, TRAIN_TOKENS = 512, 51
 
 
 def build_model(shape_name: str, name: str) -> torch.nn.Module:
-    """One freshly initialised model of the shape: the baseline ("llama" / "mixtral") or an AttnRes mode."""
+    """One freshly initialised model of the shape: the baseline (named by its family, "llama", "qwen3", ...) or an
+    AttnRes mode of the same family."""
     shape = dict(SHAPES[shape_name], max_position_embeddings=1024)
+    family = FAMILIES[shape.pop("family")]
     torch.manual_seed(0)
-    if name == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
-    if name == "llama":
-        return LlamaForCausalLM(LlamaConfig(**shape))
-    return AttnResForCausalLM(AttnResConfig(**shape, residual_mode=name))
+    if name == family.model_type:
+        return family.cls("ForCausalLM")(family.config_class(**shape))
+    return AttnResForCausalLM(AttnResConfig(**shape, family=family.model_type, residual_mode=name))
 
 
 def model_names(shape_name: str) -> list[str]:
     """The baseline first, then the AttnRes modes."""
-    return ["mixtral" if SHAPES[shape_name].get("num_local_experts") else "llama", *MODES]
+    return [SHAPES[shape_name]["family"], *MODES]
 
 
 def build_with_baseline_weights(shape_name: str, name: str) -> torch.nn.Module:

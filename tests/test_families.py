@@ -19,11 +19,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from attnres import AttnResForCausalLM
+from attnres_cli import main
 from attnres.conversion import ConversionError, convert
 from attnres.conversion.architectures import attnres_config
 from attnres.families import FAMILIES
 from attnres.transformers_compat import CACHE_NAME
-from conftest import max_diff
+from conftest import max_diff, randomize_depth_parameters
 from family_cases import CASES, COMMON, prompt_ids, save_source, source_model
 
 
@@ -221,3 +222,32 @@ def test_a_real_gemma3_checkpoint_converts_exactly(tmp_path):
     assert report.architecture == "Gemma3ForCausalLM" and report.num_sublayers == 36
     assert verification.failures == [] and verification.max_abs_logit_diff <= 1e-4
     assert all(generation.identical for generation in verification.generations)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3_text", "phi3"])
+def test_export_to_fla_refuses_other_families_in_one_line(converted, tmp_path, capsys, case):
+    _, destination, _ = converted[case, "block"]
+    status = main(["export", str(destination), str(tmp_path / "fla"), "--to", "fla", "--drop-exact-retrofit"])
+    error = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in error
+    assert f"AttnResConfig.family={CASES[case][0]!r}: FLA's Transformer is a Llama decoder" in error
+    assert not (tmp_path / "fla").exists()
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3_text", "olmo2", "granite"])
+def test_depth_kernels_are_family_independent(converted, case, monkeypatch):
+    """The fused CPU kernels and a torch.compile trace (one graph) compute what the PyTorch path does whatever norms
+    surround the steps: fused into a Llama-style norm (Qwen3, Granite), read by Gemma's own, or by no norm (OLMo 2)."""
+    model = AutoModelForCausalLM.from_pretrained(converted[case, "block"][1]).eval()
+    randomize_depth_parameters(model)
+    ids, mask = padded_batch()
+    logits = {}
+    with torch.no_grad():
+        for kernel in ("cpu", "reference"):
+            monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", kernel)
+            logits[kernel] = model(ids, attention_mask=mask).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        logits["compiled"] = compiled(ids, attention_mask=mask).logits
+    assert max_diff(logits["cpu"], logits["reference"]) <= 1e-5
+    assert max_diff(logits["compiled"], logits["reference"]) <= 1e-5

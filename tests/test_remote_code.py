@@ -213,3 +213,20 @@ def test_checkpoints_saved_by_an_earlier_version_give_the_same_logits(checkpoint
     assert result.returncode == 0, result.stderr[-4000:]
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("MAX_DIFF")]
     assert float(line.split()[1]) <= 1e-6  # also another Transformers (5.19) over the same torch
+
+
+BEFORE_FAMILIES = Path(__file__).resolve().parent / "fixtures" / "before_families"
+
+
+@pytest.mark.parametrize("checkpoint, family", [("mixtral-full", "mixtral"), ("qwen2-window-block", "qwen2")])
+def test_checkpoints_saved_before_families_load_as_the_family_their_fields_imply(checkpoint, family, monkeypatch):
+    """`tests/fixtures/before_families`: saved with their code and logits by the last version whose model held its own
+    copies of Llama's and Mixtral's sublayers, with no `family` in their configs: Full AttnRes with Mixtral's MoE, and
+    Block AttnRes with q/k/v biases, a window in every layer and the exact retrofit. Read as Mixtral and as Qwen2 (the
+    window on in every layer), they give the logits they gave then."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
+    expected = torch.load(BEFORE_FAMILIES / "expected_logits.pt")
+    model = AttnResForCausalLM.from_pretrained(BEFORE_FAMILIES / checkpoint).eval()
+    assert model.config.family == family
+    with torch.no_grad():
+        assert (model(expected["ids"]).logits - expected[checkpoint]).abs().max().item() <= 1e-6
