@@ -144,12 +144,6 @@ def check_fla_exportable(config: AttnResConfig, drop_exact_retrofit: bool) -> No
     def refuse(field: str, allowed: str) -> ConversionError:
         return ConversionError(f"AttnResConfig.{field}={getattr(config, field)!r}: {allowed} for FLA (--to fla)")
 
-    if config.family not in FLA_FAMILIES:
-        raise refuse(
-            "family", f"FLA's Transformer is a Llama decoder: one of {', '.join(map(repr, FLA_FAMILIES))}"
-        )
-    if len(set(layer_types(config))) > 1:
-        raise refuse("layer_types", "FLA windows every layer or none")
     if config.residual_mode not in ("block", "full") or config.depth_ablation is not None:
         field = "residual_mode" if config.depth_ablation is None else "depth_ablation"
         raise refuse(field, "FLA has Block and Full AttnRes only (residual_mode 'block' or 'full', no ablation)")
@@ -157,6 +151,12 @@ def check_fla_exportable(config: AttnResConfig, drop_exact_retrofit: bool) -> No
         raise refuse("block_size", "FLA's blocks hold whole layers: the block size must be 1 or even")
     if config.is_moe:
         raise refuse("num_local_experts", "FLA's Transformer has a dense MLP only (0 experts)")
+    if config.family not in FLA_FAMILIES:
+        raise refuse(
+            "family", f"FLA's Transformer is a Llama decoder: one of {', '.join(map(repr, FLA_FAMILIES))}"
+        )
+    if len(set(layer_types(config))) > 1:
+        raise refuse("layer_types", "FLA windows every layer or none")
     if config.head_dim * config.num_attention_heads != config.hidden_size:
         raise refuse(
             "head_dim",
