@@ -4,8 +4,8 @@
 # Besides the main environment (setup.sh, the newest Transformers), setup_engines.sh makes the environments in which
 # tests run other systems for real: vLLM's CPU build (tests/test_vllm.py requires it here) and the lowest supported
 # Transformers. Run without arguments, the suite runs in full in the main environment, then the model, generation,
-# remote-code and conversion tests run again on the lowest Transformers (not the demo, which only strings conversion
-# and training together, a minute of CI).
+# remote-code, conversion and family tests run again on the lowest Transformers (not the demo, which only strings
+# conversion and training together, a minute of CI, nor the real Gemma 3 conversion, three).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
@@ -16,10 +16,12 @@ status=0
 python -m pytest -q "$@" || status=$?
 if [ $# -eq 0 ]; then
     echo "[test] again on the lowest supported Transformers ($(.engines/lowest/bin/python -c 'import transformers; print(transformers.__version__)')):" \
-        "the model, generation, remote-code and conversion tests"
+        "the model, generation, remote-code, conversion and family tests"
     .engines/lowest/bin/python -m pytest -q -p no:cacheprovider \
         tests/test_modeling.py tests/test_transformers_integration.py tests/test_conversion.py tests/test_remote_code.py \
+        tests/test_families.py \
         --deselect tests/test_conversion.py::test_demo_runs_offline_on_the_default_model \
+        --deselect tests/test_families.py::test_a_real_gemma3_checkpoint_converts_exactly \
         || status=$?
 fi
 exit "$status"
