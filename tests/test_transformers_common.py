@@ -107,15 +107,18 @@ def without_experts(cls: type) -> type:
     return cls
 
 
+# Three families: the tests set `sliding_window` on any config that has the field, which Llama's has not, so the
+# dense variants are Qwen3 (q/k norms; its layers stay full unless `use_sliding_window`) and Mistral (Llama's decoder
+# with a window), and the MoE one Mixtral.
 @without_experts
 class AttnResBlockModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(residual_mode="block", block_size=2)
+    config_overrides = dict(family="qwen3", residual_mode="block", block_size=2)
 
 
 class AttnResFullMoeModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(residual_mode="full", num_local_experts=4, num_experts_per_tok=2)
+    config_overrides = dict(family="mixtral", residual_mode="full", num_local_experts=4, num_experts_per_tok=2)
 
 
 @without_experts
 class AttnResStandardModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(residual_mode="standard")
+    config_overrides = dict(family="mistral", residual_mode="standard")
