@@ -118,8 +118,9 @@ class Family:
 
     def embedding(self, config) -> nn.Embedding:
         if self.scaled_embedding:
-            embedding = self.cls("TextScaledWordEmbedding")
-            return embedding(config.vocab_size, config.hidden_size, config.pad_token_id, embed_scale=config.hidden_size**0.5)
+            scaled = self.cls("TextScaledWordEmbedding")
+            scale = config.hidden_size**0.5
+            return scaled(config.vocab_size, config.hidden_size, config.pad_token_id, embed_scale=scale)
         return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
 

@@ -124,11 +124,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             **{CACHE_NAME: cache},
             **kwargs,
         )
-        state = self.attn_residual.absorb(self.branch_output(self.attention_sublayer, attn_output), state, depth_context)
+        attn_output = self.branch_output(self.attention_sublayer, attn_output)
+        state = self.attn_residual.absorb(attn_output, state, depth_context)
 
         hidden_states = self.mlp_residual(state, depth_context)
         mlp_output = self.mlp(self.sublayer_input(self.mlp_sublayer, hidden_states))
-        state = self.mlp_residual.absorb(self.branch_output(self.mlp_sublayer, mlp_output), state, depth_context)
+        mlp_output = self.branch_output(self.mlp_sublayer, mlp_output)
+        state = self.mlp_residual.absorb(mlp_output, state, depth_context)
         if depth_layout is None:
             return state
         tensors, layout = flatten_state(state)
@@ -233,7 +235,8 @@ class AttnResModel(AttnResPreTrainedModel):
         self.recorded_output = RecordedHiddenState()
         self.rotary_emb = family.cls("RotaryEmbedding")(config)
         self.rotary_per_layer_type = family.rotary_per_layer_type
-        self.embedding_multiplier = getattr(config, family.embedding_multiplier) if family.embedding_multiplier else None
+        multiplier = family.embedding_multiplier
+        self.embedding_multiplier = getattr(config, multiplier) if multiplier else None
         self.gradient_checkpointing = False
 
         self.post_init()
@@ -325,7 +328,8 @@ class AttnResModel(AttnResPreTrainedModel):
         cache: Cache | None,
         position_ids: torch.LongTensor,
     ) -> dict[str, torch.Tensor | None]:
-        """The mask of every attention type the layers use (`families.layer_types`), as the family's model makes them."""
+        """The mask of every attention type the layers use (`families.layer_types`), as the family's model makes
+        them."""
         mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
         return {

@@ -2,10 +2,11 @@
 a process of its own.
 
 For each shape, every model gets the same weights as the baseline (the shape's family: `LlamaForCausalLM`,
-`MixtralForCausalLM` for the MoE rows, `Qwen3ForCausalLM` for the Qwen3 rows) and runs in a process of its own, which times the samples it is asked for (the messages between the
-processes are not timed). The workloads are timed in interleaved rounds, one process computing at a time: the
-baseline runs right before each AttnRes model, whose order rotates from round to round (baseline, standard,
-baseline, block, baseline, full; then baseline, block, baseline, full, baseline, standard; ...). The table reports
+`MixtralForCausalLM` for the MoE rows, `Qwen3ForCausalLM` for the Qwen3 rows) and runs in a process of its own,
+which times the samples it is asked for (the messages between the processes are not timed). The workloads are timed
+in interleaved rounds, one process computing at a time: the baseline runs right before each AttnRes model, whose
+order rotates from round to round (baseline, standard, baseline, block, baseline, full; then baseline, block,
+baseline, full, baseline, standard; ...). The table reports
 each model's median time and its ratio to the baseline: the median over its samples of its time divided by the mean
 of the baseline's samples right before and right after it. The machine's speed drifts by more than the overheads
 measured (on the shared 2-core VM of the committed results, the baseline's training step ranged from 0.58 to 0.92 s

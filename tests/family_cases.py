@@ -43,7 +43,9 @@ CASES = {
     ),
     "llama-yarn": (
         "llama",
-        dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)),
+        dict(
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+        ),
     ),
     "llama-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
     "mistral": ("mistral", dict(sliding_window=4)),

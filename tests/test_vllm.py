@@ -110,7 +110,10 @@ def run_in_vllm(jobs: list[dict], tmp_path: Path, with_attnres: bool) -> list[di
 
 # Families other than Llama's, converted from their own tiny checkpoints (tests/family_cases.py: q/k norms, Gemma's
 # sandwich norms, scaled embedding and windowed layers), with heads vLLM's CPU attention supports.
-FAMILY_MODELS = {"qwen3": dict(head_dim=32), "gemma3": dict(head_dim=32, query_pre_attn_scalar=32)}
+FAMILY_MODELS = {
+    "qwen3": dict(head_dim=32, max_position_embeddings=512),
+    "gemma3": dict(head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=512),
+}
 
 
 def family_checkpoint(folder: Path, case: str, overrides: dict) -> Path:
@@ -184,16 +187,16 @@ def test_vllm_from_remote_code_alone_equals_generate(remote_code_runs, run):
     assert result["token_ids"] == greedy_tokens(Path(job["model"]), job["prompts"], job["max_tokens"])
 
 
-FUSION_RUNS = [("smollm2-block", True), ("tiny-block", False), ("tiny-moe", True)]
+FUSION_RUNS = [("smollm2-block", True), ("tiny-block", False), ("tiny-moe", True), ("tiny-qwen3", True)]
 
 
-@pytest.mark.parametrize("run", FUSION_RUNS, ids=["smollm2", "tiny-block", "tiny-moe"])
+@pytest.mark.parametrize("run", FUSION_RUNS, ids=["smollm2", "tiny-block", "tiny-moe", "tiny-qwen3"])
 def test_vllm_fuses_the_projections_and_swaps_in_its_norms(remote_code_runs, run):
     """The backend fuses q/k/v into one projection (and a dense MLP's gate/up into another) only in a forward it can
     trace with fx; a decorated forward it cannot trace keeps three GEMMs per attention sublayer."""
     _, result = remote_code_runs[run]
     modules = result["layer_modules"]
-    assert modules["self_attn.qkv_proj"] == "QKVParallelLinear"
+    assert modules.get("self_attn.qkv_proj") == "QKVParallelLinear", modules
     assert not {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"} & modules.keys()
     assert modules["input_layernorm"] == modules["post_attention_layernorm"] != "AttnResRMSNorm"
     if "mlp.experts" not in modules:
@@ -262,3 +265,14 @@ def test_vllm_server_chat_and_completions_equal_generate(converted_smollm2, tmp_
             server.kill()
     assert chat == chat_streamed == expected_chat
     assert completion == completion_streamed == expected_completion
+
+
+def test_vllm_swaps_gemmas_own_norms_and_linears(remote_code_runs):
+    """Gemma 3's sandwich norms are the family's own class, `1 + w` (not the model's fused Llama norm): the backend
+    replaces them and its linears with its own all the same, and the tokens stay `generate`'s (above)."""
+    _, result = remote_code_runs["tiny-gemma3", True]
+    modules = result["layer_modules"]
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    assert {modules[name] for name in (*norms, "self_attn.q_norm", "self_attn.k_norm")} == {"TPAwareGemmaRMSNorm"}
+    assert modules["self_attn.qkv_proj"] == "QKVParallelLinear"
+    assert modules["mlp.gate_up_proj"] == "MergedColumnParallelLinear"

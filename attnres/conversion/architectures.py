@@ -149,8 +149,8 @@ class TensorRenamer:
         if self._pending:
             layer, tensors = next(iter(self._pending.items()))
             raise ConversionError(
-                f"{layer}: only {len(tensors)} of {3 * self.num_experts} expert tensors (gate, up and down per expert) were "
-                "found in the checkpoint."
+                f"{layer}: only {len(tensors)} of {3 * self.num_experts} expert tensors (gate, up and down per expert) "
+                "were found in the checkpoint."
             )
 
 
