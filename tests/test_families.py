@@ -23,6 +23,7 @@ from attnres_cli import main
 from attnres.conversion import ConversionError, convert
 from attnres.conversion.architectures import attnres_config
 from attnres.families import FAMILIES
+from attnres.training import PROJECTION_TARGET_MODULES
 from attnres.transformers_compat import CACHE_NAME
 from conftest import max_diff, randomize_depth_parameters
 from family_cases import CASES, COMMON, prompt_ids, save_source, source_model
@@ -128,6 +129,7 @@ def test_trainer_step_with_lora_on_the_familys_projection_names(converted, tmp_p
     targets = sorted(projection_names(AutoModelForCausalLM.from_pretrained(source_folder)) - {"gate"})
     model = AutoModelForCausalLM.from_pretrained(destination)
     assert projection_names(model) - {"gate"} == set(targets)
+    assert set(targets) <= set(PROJECTION_TARGET_MODULES)  # `lora_config()`'s default reaches every projection
     model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, modules_to_save=["attn_residual"]))
     wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert wrapped == set(targets)

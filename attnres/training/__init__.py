@@ -7,7 +7,7 @@ Not imported by the modeling code, so checkpoints loaded with `trust_remote_code
 
 from .data import shakespeare_dir, shakespeare_plays, token_stream, token_windows
 from .depth import DEPTH_MODULE_NAMES, depth_parameter_names, is_depth_parameter, train_depth_only
-from .lora import LLAMA_TARGET_MODULES, lora_config
+from .lora import PROJECTION_TARGET_MODULES, lora_config
 from .optimization import AttnResTrainer, decay_parameter_names, no_decay_parameter_names, optimizer_groups
 from .retrofit import (
     RetrofitReport,
@@ -21,7 +21,7 @@ from .retrofit import (
 
 __all__ = [
     "DEPTH_MODULE_NAMES",
-    "LLAMA_TARGET_MODULES",
+    "PROJECTION_TARGET_MODULES",
     "AttnResTrainer",
     "RetrofitReport",
     "decay_parameter_names",

@@ -1,4 +1,4 @@
-"""The PEFT recipe for AttnRes: LoRA on the usual Llama projections, plus the depth-mixing modules trained in full.
+"""The PEFT recipe for AttnRes: LoRA on the family's projections, plus the depth-mixing modules trained in full.
 
     from peft import get_peft_model
     model = get_peft_model(AutoModelForCausalLM.from_pretrained("smollm2-attnres"), lora_config())
@@ -7,7 +7,7 @@
     merged = model.merge_and_unload()                      # a plain AttnResForCausalLM again
     merged.save_pretrained("merged")                       # loads with AutoModelForCausalLM
 
-The shared weights keep Llama's names, so the familiar target names work. The depth modules are tiny (two vectors
+The shared weights keep the family's names, so the familiar target names work. The depth modules are tiny (two vectors
 per sublayer) and start from the retrofit identity, so they are trained in full through `modules_to_save` rather
 than given adapters: a low-rank update of a vector is no saving, and PEFT then saves, loads and merges them with
 the adapter.
@@ -20,16 +20,19 @@ from peft import LoraConfig, TaskType
 from .depth import DEPTH_MODULE_NAMES
 
 
-LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Llama's attention and dense-MLP projections. MoE models fuse their experts into 3-D parameters
-(`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention only."""
+PROJECTION_TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"
+)
+"""The attention and dense-MLP projections of every family (`families.py`): Llama's names, and Phi-3's fused
+`qkv_proj` and `gate_up_proj`. MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which
+these names do not reach: there LoRA adapts the attention and any dense or shared-expert MLP."""
 
 
 def lora_config(
     r: int = 16,
     lora_alpha: int = 32,
     lora_dropout: float = 0.0,
-    target_modules: Sequence[str] = LLAMA_TARGET_MODULES,
+    target_modules: Sequence[str] = PROJECTION_TARGET_MODULES,
     train_depth: bool = True,
     **kwargs,
 ) -> LoraConfig:
@@ -37,7 +40,7 @@ def lora_config(
 
     Args:
         r, lora_alpha, lora_dropout: the usual LoRA hyper-parameters.
-        target_modules: module names that get LoRA adapters (default: every Llama projection).
+        target_modules: module names that get LoRA adapters (default: every projection of every family).
         train_depth: also train the pseudo-queries and key norms in full, by listing the depth-mixing modules in
             `modules_to_save` (saved with the adapter, swapped in by `merge_and_unload`).
         **kwargs: any other `LoraConfig` field.
