@@ -116,19 +116,22 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
         assert "DynamicSlidingWindowLayer" in layer_kinds  # Gemma's hybrid cache: windowed layers keep a window
 
 
+# Linear layers that are not projections: the output head, and the routers and Qwen2-MoE's shared-expert gate.
+NOT_PROJECTIONS = {"lm_head", "gate", "shared_expert_gate"}
+
+
 def projection_names(model: nn.Module) -> set[str]:
     """The names of the linear layers inside the sublayers, as LoRA targets them (`q_proj`, `qkv_proj`, ...)."""
-    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)} - {
-        "lm_head"
-    }
+    linears = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    return linears - NOT_PROJECTIONS
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_step_with_lora_on_the_familys_projection_names(converted, tmp_path, case):
     source_folder, destination, _ = converted[case, "block"]
-    targets = sorted(projection_names(AutoModelForCausalLM.from_pretrained(source_folder)) - {"gate"})
+    targets = sorted(projection_names(AutoModelForCausalLM.from_pretrained(source_folder)))
     model = AutoModelForCausalLM.from_pretrained(destination)
-    assert projection_names(model) - {"gate"} == set(targets)
+    assert projection_names(model) == set(targets)
     assert set(targets) <= set(PROJECTION_TARGET_MODULES)  # `lora_config()`'s default reaches every projection
     model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, modules_to_save=["attn_residual"]))
     wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
