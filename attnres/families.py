@@ -16,7 +16,6 @@ This file is copied flat into remote-code checkpoints, so it imports only torch 
 
 import importlib
 from dataclasses import dataclass
-from functools import cached_property
 
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -90,7 +89,9 @@ class Family:
     rotary_per_layer_type: bool = False
     moe: bool = False
 
-    @cached_property
+    # A plain property (the import is a lookup in `sys.modules` after the first): vLLM's server pickles the config's
+    # remote-code classes by value, and Python 3.11's `functools.cached_property` holds a lock, which does not pickle.
+    @property
     def modeling(self):
         return importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
 
