@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .depth_state import DepthContext, DepthMixer, DepthState, ResidualStream
-from .kernel_dispatch import depth_kernels
+from .kernel_dispatch import DepthKernels, depth_kernels
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
 from .two_phase import as_float32, block_input, inverse_rms, phase2
 
@@ -168,16 +168,20 @@ class DepthAttention(DepthMixer):
         # The blocks the state holds after the last sublayer, b_0 included: the most any phase 1 reads.
         self.num_blocks = num_depth_sources(num_sublayers + 1, block_size, num_sublayers)
 
-    def initial_state(self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, record_inputs: bool):
-        """b_0 = the embedding; with gathered queries, phase 1 for the first block (this step's)."""
-        kernels = depth_kernels(
-            inputs_embeds.device,
+    def kernels(self, device: torch.device) -> DepthKernels:
+        """The implementations of the two phases for a forward pass on `device` (`kernel_dispatch.depth_kernels`)."""
+        return depth_kernels(
+            device,
             self.depth_kernel,
             torch.is_grad_enabled(),
             num_blocks=self.num_blocks,
             num_queries=self.block.stop - self.block.start,
             eps=self.eps,
         )
+
+    def initial_state(self, inputs_embeds: torch.Tensor, queries: torch.Tensor | None, record_inputs: bool):
+        """b_0 = the embedding; with gathered queries, phase 1 for the first block (this step's)."""
+        kernels = self.kernels(inputs_embeds.device)
         context = DepthContext(kernels, record_inputs)
         if queries is None:
             blocks_inv_rms = inverse_rms(inputs_embeds, self.eps).unsqueeze(0)
@@ -187,6 +191,24 @@ class DepthAttention(DepthMixer):
         blocks_inv_rms, rows, lse = kernels.close_block((inputs_embeds,), no_blocks_inv_rms, first_block, self.eps)
         state = DepthState((inputs_embeds,), blocks_inv_rms, queries=queries, phase1_rows=rows, lse=lse)
         return state, context
+
+    def resumed_state(
+        self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor | None, queries: tuple[torch.Tensor, ...] | None
+    ) -> tuple[DepthState, DepthContext]:
+        """The state in front of this step when the steps before it ran elsewhere (an earlier pipeline stage), from
+        what they handed on: the completed blocks and the partial sum (`None` where this step opens its block). The
+        blocks' inverse RMS is computed again rather than handed on, and with gathered queries phase 1 for this
+        step's block, as the step that closed the last block computes it (`absorb`)."""
+        kernels = self.kernels(blocks[0].device)
+        blocks_inv_rms = blocks[0].new_empty((0, *blocks[0].shape[:-1]), dtype=torch.float32)
+        for block in blocks[:-1]:
+            blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, block, self.eps)
+        if queries is None:
+            blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, blocks[-1], self.eps)
+            return DepthState(blocks, blocks_inv_rms, partial), DepthContext(kernels)
+        this_block = torch.stack(queries[self.block])
+        blocks_inv_rms, rows, lse = kernels.close_block(blocks, blocks_inv_rms, this_block, self.eps)
+        return DepthState(blocks, blocks_inv_rms, partial, queries, rows, lse), DepthContext(kernels)
 
     def step_query(self, state: DepthState) -> torch.Tensor:
         """This step's folded query `[D]`: the state's gathered one, or read from its own module."""

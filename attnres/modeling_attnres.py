@@ -9,6 +9,8 @@ everything the network has produced so far. The model's forward loop owns that d
 threads it through the decoder layers. The math is in docs/design.md.
 """
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -54,6 +56,50 @@ def pre_norm(norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput)
     if isinstance(hidden_states, PendingInput) and not isinstance(norm, AttnResRMSNorm):
         hidden_states = hidden_states.value()
     return hidden_states if norm is None else norm(hidden_states)
+
+
+def attention_masks(
+    config: AttnResConfig,
+    attention_types: Iterable[str],
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.LongTensor,
+) -> dict[str, torch.Tensor | None]:
+    """The mask of each of `attention_types` (`families.layer_types`), as the family's model makes them. A function
+    of the config, so that a pipeline stage, which holds some of the layers, makes the masks its layers read."""
+    mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
+    return {
+        kind: mask_functions[kind](config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+        for kind in attention_types
+    }
+
+
+def rotary_embeddings(
+    rotary_emb: nn.Module,
+    per_layer_type: bool,
+    attention_types: Iterable[str],
+    inputs_embeds: torch.Tensor,
+    position_ids: torch.LongTensor,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The rotary position embeddings each of `attention_types` reads: one per type where the family's rotary
+    embedding takes a layer type (`Family.rotary_per_layer_type`), otherwise one for all."""
+    if per_layer_type:
+        return {kind: rotary_emb(inputs_embeds, position_ids, kind) for kind in attention_types}
+    return dict.fromkeys(attention_types, rotary_emb(inputs_embeds, position_ids))
+
+
+def family_logits(config: AttnResConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, soft-capped by
+    Gemma's `final_logit_softcapping`."""
+    family = FAMILIES[config.family]
+    if family.logits_divisor is not None:
+        logits = logits / getattr(config, family.logits_divisor)
+    cap = getattr(config, family.logit_softcap) if family.logit_softcap else None
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 class RecordedHiddenState(nn.Module):
@@ -288,11 +334,11 @@ class AttnResModel(AttnResPreTrainedModel):
 
         masks = attention_mask  # `generate` may have made them, one per attention type
         if not isinstance(masks, dict):
-            masks = self.attention_masks(inputs_embeds, attention_mask, cache, position_ids)
-        if self.rotary_per_layer_type:
-            position_embeddings = {kind: self.rotary_emb(inputs_embeds, position_ids, kind) for kind in masks}
-        else:
-            position_embeddings = dict.fromkeys(masks, self.rotary_emb(inputs_embeds, position_ids))
+            attention_types = dict.fromkeys(layer.attention_type for layer in self.layers)
+            masks = attention_masks(self.config, attention_types, inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = rotary_embeddings(
+            self.rotary_emb, self.rotary_per_layer_type, masks, inputs_embeds, position_ids
+        )
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].attn_residual
@@ -320,22 +366,6 @@ class AttnResModel(AttnResPreTrainedModel):
             self.recorded_output(recorded)
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
-
-    def attention_masks(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-        position_ids: torch.LongTensor,
-    ) -> dict[str, torch.Tensor | None]:
-        """The mask of every attention type the layers use (`families.layer_types`), as the family's model makes
-        them."""
-        mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
-        return {
-            kind: mask_functions[kind](self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
-            for kind in dict.fromkeys(layer.attention_type for layer in self.layers)
-        }
 
     def depth_queries(self) -> tuple[torch.Tensor, ...] | None:
         """Every step's folded pseudo-query `[D]` in sublayer order (the output step last), so that
@@ -395,17 +425,6 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def family_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, soft-capped
-        by Gemma's `final_logit_softcapping`."""
-        family = self.family
-        if family.logits_divisor is not None:
-            logits = logits / getattr(self.config, family.logits_divisor)
-        cap = getattr(self.config, family.logit_softcap) if family.logit_softcap else None
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
@@ -439,7 +458,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        logits = self.family_logits(self.lm_head(outputs.last_hidden_state))
+        logits = family_logits(self.config, self.lm_head(outputs.last_hidden_state))
 
         loss = None
         if labels is not None:
