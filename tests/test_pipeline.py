@@ -1,0 +1,194 @@
+"""Pipeline parallelism (`attnres.training.pipeline`) on PyTorch's engine: the layout and its refusals in one process;
+then every case of tests/distributed_pipeline.py under torchrun on gloo, 2 and 4 CPU processes (two launches), against
+one process: each step's loss and every parameter's gradient, the bytes the cross-stage cache sends against the
+formula of docs/design.md §11, a saved checkpoint reloaded in one process, FSDP2 inside the stages."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from distributed_pipeline import BATCH, CASES, SEQ_LEN, SHAPE, batches, build_model, reference_step
+from test_training import launch
+from transformers import AutoModelForCausalLM
+
+from attnres import AttnResForCausalLM
+from attnres.training.pipeline import PipelineLayout, pipeline_schedule
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAUNCHES = {
+    2: [name for name, case in CASES.items() if case.ranks * case.data_parallel == 2],
+    4: [name for name, case in CASES.items() if case.ranks * case.data_parallel == 4],
+}
+
+
+# --- the layout, in one process -----------------------------------------------------------------------------------
+
+
+def test_layout_splits_layers_evenly_and_places_stages_in_a_loop():
+    model = AttnResForCausalLM(tiny_config(num_hidden_layers=7, block_size=3))
+    layout = PipelineLayout.of(model, num_ranks=2, stages_per_rank=2)
+    assert layout.stage_layers == (range(0, 2), range(2, 4), range(4, 6), range(6, 7))
+    assert [layout.rank(stage) for stage in range(4)] == [0, 1, 0, 1]
+    # 14 sublayers in blocks of 3 (the last of 2): the cuts after sublayers 4 and 8 fall inside a block, the one
+    # after 12 between two; the last sublayer closes the last block.
+    assert [layout.blocks_after(stage) for stage in range(4)] == [2, 3, 5, 6]
+    assert [layout.partial_after(stage) for stage in range(3)] == [True, True, False]
+
+
+def tensors_per_microbatch(num_layers: int, block_size: int, ranks: int, stages_per_rank: int, cached: bool) -> int:
+    """docs/design.md §11's count for equal stages, written out on its own: the boundary after stage t (t = 0..C-2)
+    sends the blocks completed after its sublayer p = (t + 1) s, b_0 included, and the partial sum if p cuts a block;
+    cached, minus the blocks the receiving rank held after its previous stage t + 1 - P."""
+    stages = ranks * stages_per_rank
+    per_stage = 2 * num_layers // stages
+    total = 0
+    for t in range(stages - 1):
+        cut = per_stage * (t + 1)
+        blocks = 1 + cut // block_size
+        seen_at = per_stage * (t + 2 - ranks)
+        if cached and t + 1 - ranks >= 0:
+            blocks -= 1 + seen_at // block_size
+        total += blocks + (cut % block_size != 0)
+    return total
+
+
+@pytest.mark.parametrize(
+    "num_layers, block_size, ranks, stages_per_rank, naive, cached",
+    [(4, 3, 2, 2, 8, 5), (8, 4, 4, 2, 23, 15), (8, 2, 2, 4, 35, 8), (4, 4, 2, 1, 2, 2)],
+)
+def test_layout_counts_the_tensors_of_the_formula(num_layers, block_size, ranks, stages_per_rank, naive, cached):
+    """The counts written by hand (docs/design.md §11): 4 layers in blocks of 3 sublayers on 2 ranks x 2 stages
+    send 2 + 3 + 3 tensors naively and 2 + 2 + 1 cached; the layout and the formula agree with them."""
+    model = AttnResForCausalLM(tiny_config(num_hidden_layers=num_layers, block_size=block_size))
+    layout = PipelineLayout.of(model, ranks, stages_per_rank)
+    for is_cached, expected in ((False, naive), (True, cached)):
+        assert layout.tensors_sent(is_cached) == expected
+        assert tensors_per_microbatch(num_layers, block_size, ranks, stages_per_rank, is_cached) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, ranks, stages_per_rank, message",
+    [
+        (dict(residual_mode="mhc"), 2, 1, "residual_mode='mhc'"),
+        (dict(residual_mode="block", depth_ablation="sigmoid"), 2, 1, "'block with ablation'"),
+        (dict(tie_word_embeddings=True), 2, 1, "tie_word_embeddings=True"),
+        (dict(), 1, 2, "num_ranks=1"),
+        (dict(), 2, 2, "stages_per_rank=2 = 4 stages"),
+    ],
+    ids=["mhc", "ablation", "tied", "one-rank", "more-stages-than-layers"],
+)
+def test_layout_refuses_what_it_cannot_split(overrides, ranks, stages_per_rank, message):
+    model = AttnResForCausalLM(tiny_config(**overrides))  # 3 layers
+    with pytest.raises(ValueError, match=message):
+        PipelineLayout.of(model, ranks, stages_per_rank)
+
+
+@pytest.mark.parametrize(
+    "name, stages, message",
+    [("zero-bubble", [None], "schedule='zero-bubble': allowed values"), ("1f1b", [None, None], "runs one stage")],
+)
+def test_schedule_refuses_unknown_names_and_stage_counts(name, stages, message):
+    with pytest.raises(ValueError, match=message):
+        pipeline_schedule(name, stages, microbatches=2, loss=None)
+
+
+# --- under torchrun -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every case, each rank's record of it: one torchrun launch over 2 processes, one over 4."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    script = str(REPO_ROOT / "tests" / "distributed_pipeline.py")
+    runs = {}
+    for processes, names in LAUNCHES.items():  # one after another: each fills the 2 CI cores
+        output = folder / str(processes)
+        output.mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        launch([*command, script, "--cases", *names, "--output", str(output)], folder / f"{processes}.log")
+        ranks = [torch.load(output / f"rank{rank}.pt") for rank in range(processes)]
+        runs |= {name: [records[name] for records in ranks] for name in names}
+        runs |= {f"{name}/checkpoint": output / name for name in names if CASES[name].save}
+    return runs
+
+
+def merged(records: list[dict], field: str, step: int) -> dict[str, torch.Tensor]:
+    """One step's tensors of every rank by parameter name; ranks that hold the same stage (FSDP shards, gathered)
+    must agree."""
+    tensors = {}
+    for record in records:
+        for name, tensor in record[field][step].items():
+            if name in tensors:
+                assert torch.equal(tensors[name], tensor), name
+            tensors[name] = tensor
+    return tensors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_steps_equal_one_process(pipeline_runs, name):
+    """At each step, from the parameters the pipeline holds, one process computes the same loss (the mean over the
+    same microbatches) and the same gradient of every parameter. Compared step by step at the same parameters,
+    since any two summation orders drift apart over training steps (tiny blocks under the key norm amplify
+    float rounding), which would test the optimizer rather than the pipeline."""
+    case, records = CASES[name], pipeline_runs[name]
+    model = build_model(case)
+    names = {name for name, _ in model.named_parameters()}
+    losses = records[0]["losses"]
+    assert len(losses) == len(batches()) - 1 and len(set(losses)) == len(losses)  # the steps did train
+    for step, batch in enumerate(batches()[:-1]):
+        parameters = merged(records, "parameters", step)
+        assert set(parameters) == names  # the stages hold the whole model, under its names
+        model.load_state_dict(parameters)
+        loss, grads = reference_step(model, case, batch)
+        assert all(record["losses"][step] == losses[step] for record in records)
+        assert abs(losses[step] - loss) <= 1e-5, (step, losses[step], loss)
+        pipelined = merged(records, "grads", step)
+        assert set(pipelined) == set(grads) == names
+        for parameter, grad in grads.items():
+            torch.testing.assert_close(pipelined[parameter], grad, rtol=0, atol=1e-5, msg=f"step {step}: {parameter}")
+    if model.config.is_moe:  # the load-balancing loss is in: without it the loss differs
+        model.config.router_aux_loss_coef = 0.0
+        without, _ = reference_step(model, case, batches()[-2])
+        assert abs(without - losses[-1]) > 1e-4
+    if case.data_parallel > 1:
+        assert all(record["sharded"] for record in records)  # FSDP2 held the parameters as DTensor shards
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "cached, naive, tensors",
+    [
+        ("block-interleaved", "block-interleaved-naive", (5, 8)),
+        ("block-interleaved-4", "block-interleaved-4-naive", (15, 23)),
+    ],
+    ids=["2-ranks", "4-ranks"],
+)
+def test_cross_stage_cache_sends_the_bytes_of_the_formula(pipeline_runs, cached, naive, tensors):
+    """The bytes the stages handed to gloo in each step, summed over the ranks: per microbatch, the formula's count of
+    blocks and partial sums, each `[microbatch, seq, hidden]` fp32; the same again for their gradients."""
+    case = CASES[cached]
+    config = build_model(case).config
+    tensor_bytes = BATCH // case.microbatches * SEQ_LEN * SHAPE["hidden_size"] * 4
+    for run, count, is_cached in ((cached, tensors[0], True), (naive, tensors[1], False)):
+        assert count == tensors_per_microbatch(
+            config.num_hidden_layers, config.depth_block_size, case.ranks, case.stages_per_rank, is_cached
+        )
+        for step in range(len(batches()) - 1):
+            activations = sum(sent for record in pipeline_runs[run] for sent, _ in record["traffic"][step])
+            gradients = sum(sent for record in pipeline_runs[run] for _, sent in record["traffic"][step])
+            assert activations == gradients == count * case.microbatches * tensor_bytes, (run, step)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.save])
+def test_saved_checkpoint_reloads_in_one_process_with_equal_logits(pipeline_runs, name):
+    model = AutoModelForCausalLM.from_pretrained(pipeline_runs[f"{name}/checkpoint"]).eval()
+    assert type(model) is AttnResForCausalLM
+    (logits,) = [record["logits"] for record in pipeline_runs[name] if "logits" in record]
+    with torch.no_grad():
+        reloaded = model(input_ids=batches()[-1]).logits
+    torch.testing.assert_close(reloaded, logits, rtol=0, atol=1e-5)
