@@ -1,8 +1,11 @@
 """Pipeline parallelism (`attnres.training.pipeline`) on PyTorch's engine: the layout and its refusals in one process;
 then every case of tests/distributed_pipeline.py under torchrun on gloo, 2 and 4 CPU processes (two launches), against
 one process: each step's loss and every parameter's gradient, the bytes the cross-stage cache sends against the
-formula of docs/design.md §11, a saved checkpoint reloaded in one process, FSDP2 inside the stages."""
+formula of docs/design.md §11, a saved checkpoint reloaded in one process, FSDP2 inside the stages; and
+examples/pretrain_pp.py."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed_pipeline import BATCH, CASES, SEQ_LEN, SHAPE, batches, build_model, reference_step
-from test_training import launch
+from test_training import launch, launcher_env
 from transformers import AutoModelForCausalLM
 
 from attnres import AttnResForCausalLM
@@ -192,3 +195,38 @@ def test_saved_checkpoint_reloads_in_one_process_with_equal_logits(pipeline_runs
     with torch.no_grad():
         reloaded = model(input_ids=batches()[-1]).logits
     torch.testing.assert_close(reloaded, logits, rtol=0, atol=1e-5)
+
+
+# --- the example --------------------------------------------------------------------------------------------------
+
+
+EXAMPLE = str(REPO_ROOT / "examples" / "pretrain_pp.py")
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--layers", "2", "--stages-per-rank", "2"], "--stages-per-rank=2: 2 ranks x 2 = 4 stages"),
+        (["--batch-size", "6", "--microbatches", "4"], "--microbatches=4"),
+        (["--schedule", "zero-bubble"], "--schedule: invalid choice: 'zero-bubble'"),
+    ],
+    ids=["more-stages-than-layers", "microbatches-do-not-divide", "unknown-schedule"],
+)
+def test_pretrain_pp_refuses_bad_input_in_one_line_before_starting(arguments, message):
+    """Checked before any process group starts: run without torchrun, with the world size torchrun would set."""
+    env = {**launcher_env(), "WORLD_SIZE": "2"}
+    result = subprocess.run([sys.executable, EXAMPLE, *arguments], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+@pytest.mark.distributed
+def test_pretrain_pp_example_trains_under_torchrun(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", EXAMPLE]
+    arguments = ["--steps", "4", "--eval-every", "2", "--hidden-size", "32", "--layers", "2", "--seq-len", "32"]
+    arguments += ["--batch-size", "4", "--microbatches", "2", "--eval-windows", "4", "--output", str(tmp_path)]
+    launch([*command, *arguments], tmp_path / "log.txt")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {run["residual_mode"] for run in results["runs"]} == {"standard", "block"}
+    assert all(len(run["train"]) == 4 and len(run["eval"]) == 2 for run in results["runs"])
+    assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
