@@ -11,13 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import randomize_depth_parameters, tiny_config
 from distributed_pipeline import BATCH, CASES, SEQ_LEN, SHAPE, batches, build_model, reference_step
+from family_cases import CASES as FAMILY_CASES
+from family_cases import prompt_ids, source_model
 from test_training import launch, launcher_env
 from transformers import AutoModelForCausalLM
 
 from attnres import AttnResForCausalLM
-from attnres.training.pipeline import PipelineLayout, pipeline_schedule
+from attnres.conversion.architectures import attnres_config
+from attnres.training.pipeline import PipelineLayout, pipeline_schedule, stage_modules
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +99,37 @@ def test_layout_refuses_what_it_cannot_split(overrides, ranks, stages_per_rank, 
 def test_schedule_refuses_unknown_names_and_stage_counts(name, stages, message):
     with pytest.raises(ValueError, match=message):
         pipeline_schedule(name, stages, microbatches=2, loss=None)
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+@pytest.mark.parametrize("cached", [False, True], ids=["naive", "cached"])
+def test_every_family_splits_into_stages_that_compute_the_model(case, cached):
+    """In one process, the stages of every decoder family chained in order (2 ranks x 2 stages of one layer, blocks
+    of 3 sublayers spanning the cuts; a rank's stages share its cache) give the model's logits, and for the MoE
+    families its load-balancing loss: the per-type masks and rotary embeddings, multipliers and soft-caps of each
+    family reach the stages that read them."""
+    source = source_model(case, num_hidden_layers=4, output_router_logits=True)
+    config = attnres_config(source.config, mode="block", block_size=3, exact_retrofit=False)
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(config).eval()
+    randomize_depth_parameters(model)
+    ids = prompt_ids()
+    with torch.no_grad():
+        expected = model(input_ids=ids)
+    layout = PipelineLayout.of(model, num_ranks=2, stages_per_rank=2)
+    modules = sorted(
+        (module for rank in range(2) for module in stage_modules(model, layout, rank, cross_stage_cache=cached)),
+        key=lambda module: module.stage_index,
+    )
+    with torch.no_grad():
+        outputs = (ids,)
+        for module in modules:
+            module.microbatch = 0
+            outputs = module(*outputs)
+    logits, aux_loss = outputs if config.is_moe else (outputs, None)
+    torch.testing.assert_close(logits, expected.logits, rtol=0, atol=1e-5)
+    if config.is_moe:
+        torch.testing.assert_close(aux_loss[0], expected.aux_loss, rtol=0, atol=1e-6)
 
 
 # --- under torchrun -----------------------------------------------------------------------------------------------
