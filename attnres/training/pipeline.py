@@ -309,16 +309,17 @@ class AttnResStage(nn.Module):
             if self.embedding_multiplier is not None:
                 inputs_embeds = inputs_embeds * self.embedding_multiplier
             state, context = self.first_mixer.initial_state(inputs_embeds, self.depth_queries(), False)
-            router_logits = ()
+            started_from = Held()
         else:
             held = self.cache.held(self.microbatch) if cached else Held()
             received = Boundary.unflatten(inputs, self.layout.transfer(self.stage_index - 1, cached))
-            router_logits = held.router_logits + received.router_logits
+            started_from = Held(held.blocks + received.blocks, held.router_logits + received.router_logits)
             if self.layout.block_size is None:
                 state, context = ResidualStream(received.partial), DepthContext()
             else:
-                blocks = held.blocks + received.blocks
-                state, context = self.first_mixer.resumed_state(blocks, received.partial, self.depth_queries())
+                state, context = self.first_mixer.resumed_state(
+                    started_from.blocks, received.partial, self.depth_queries()
+                )
         hidden_states = state.hidden_states if isinstance(state, ResidualStream) else state.blocks[0]
 
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
@@ -339,13 +340,13 @@ class AttnResStage(nn.Module):
                     cache=None,
                     use_cache=False,
                 )
-            router_logits += tuple(self.recorded_router_logits)
+            router_logits = started_from.router_logits + tuple(self.recorded_router_logits)
         finally:
             self.recorded_router_logits = None
 
         if self.is_last:
             return self.output(state, context, router_logits)
-        return self.hand_on(state, router_logits)
+        return self.hand_on(state, router_logits, started_from)
 
     def output(self, state: NamedTuple, context: DepthContext, router_logits: tuple[torch.Tensor, ...]):
         """The logits, and the load-balancing loss `[1]` where the model computes one."""
@@ -358,21 +359,20 @@ class AttnResStage(nn.Module):
         )
         return logits, aux_loss.reshape(1)
 
-    def hand_on(self, state: NamedTuple, router_logits: tuple[torch.Tensor, ...]) -> tuple:
-        """The tensors the boundary after this stage sends; with caching, what the rank keeps first."""
-        cached = self.cache is not None
+    def hand_on(self, state: NamedTuple, router_logits: tuple[torch.Tensor, ...], started_from: Held) -> tuple:
+        """The tensors the boundary after this stage sends; with caching, what the rank keeps first. The blocks the
+        stage started from are handed on and kept as the tensors it was given (an activation-checkpointed layer may
+        return its inputs as new tensors of its own graph), those it completed as produced here."""
         if isinstance(state, ResidualStream):
             blocks, partial = (), state.hidden_states
         else:
-            blocks, partial = state.blocks, state.partial
+            blocks, partial = started_from.blocks + state.blocks[len(started_from.blocks) :], state.partial
+        cached = self.cache is not None
         if cached:
-            # What this stage started from is kept as it is; everything produced here is sent (the receiving rank
-            # last saw this microbatch before this stage ran), through `AddCachedGradient`.
-            previous = self.stage_index - 1
-            blocks_before = 0 if self.is_first else self.layout.blocks_after(previous)
-            routers_before = 0 if self.is_first else self.layout.routers_after(previous)
-            blocks, kept_blocks = keep(blocks, blocks_before)
-            router_logits, kept_router_logits = keep(router_logits, routers_before)
+            # Everything produced here is sent (the receiving rank last saw this microbatch before this stage ran),
+            # through `AddCachedGradient`.
+            blocks, kept_blocks = keep(blocks, len(started_from.blocks))
+            router_logits, kept_router_logits = keep(router_logits, len(started_from.router_logits))
             self.cache.hold(self.microbatch, Held(kept_blocks, kept_router_logits))
         transfer = self.layout.transfer(self.stage_index, cached)
         boundary = Boundary(
@@ -384,8 +384,8 @@ class AttnResStage(nn.Module):
 
 
 def keep(tensors: tuple[torch.Tensor, ...], num_before: int) -> tuple[tuple, tuple]:
-    """`tensors` as a stage sends them and as its rank keeps them: the first `num_before` (received, or read from
-    the cache) as they are; each later one, produced by the stage, kept as a leaf sharing its memory and sent through
+    """`tensors` as a stage sends them and as its rank keeps them: the first `num_before` (those it started from:
+    received, or read from the cache) as they are; each later one, produced by the stage, kept as a leaf sharing its memory and sent through
     `AddCachedGradient`, which adds the leaf's gradient in the stage's backward pass. Without autograd (evaluation)
     every tensor is kept as it is."""
     sent, kept = list(tensors[:num_before]), list(tensors[:num_before])
