@@ -1,24 +1,27 @@
 """The `attnres` command line: convert, demo, eval, export, inspect, serve.
 
 This module sits beside the `attnres` package rather than inside it: importing `attnres` registers the Auto classes,
-which imports torch and Transformers, seconds that `attnres --help` or a mistyped option should not cost. So every
-subcommand's parser lives here, with the checks that need no import (value ranges, text files, output folders),
-and each handler imports `attnres` only once those pass. Model paths are checked by the API itself
-(`attnres.inputs`), once for every caller, before any model is loaded.
+which imports torch and Transformers, seconds that `attnres --help` or a mistyped argument should not cost. So every
+subcommand's parser lives here, with the checks that need no model (value ranges, text files, output folders, and
+the model paths, through the API's own `attnres/inputs.py` loaded without the package), and each handler imports
+`attnres` only once those pass. The API's messages name its Python arguments; the command line prints them with its
+own names (`--overwrite`, not `overwrite=True`).
 
 Exit status: 0 success; 1 verification failed (nothing written); 2 invalid input, reported as one line on stderr
 before any expensive work.
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, NoReturn
 
 
@@ -33,6 +36,24 @@ EXIT_VERIFICATION_FAILED = 1
 EXIT_INVALID = 2
 # The files Transformers builds a tokenizer from; a checkpoint with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# The API's names for what every command calls the same (`name=value` in its messages), then each command's own.
+API_NAMES = {
+    "block_size": "--block-size",
+    "mode": "--mode",
+    "dtype": "--dtype",
+    "gguf_file": "--gguf-file",
+    "revision": "--revision",
+    "destination": "DST",
+    "overwrite=True": "--overwrite",
+    "model": "MODEL",
+}
+COMMAND_API_NAMES = {
+    "convert": {"source": "SRC", "text": "--text-file"},
+    "demo": {"source": "MODEL", "text": "--text-file", "steps": "--retrofit-steps"},
+    "export": {"to": "--to", "drop_exact_retrofit=True": "--drop-exact-retrofit"},
+    "eval": {"baseline": "--baseline", "limit": "--limit", "batch_size": "--batch-size", "tasks": "--tasks"},
+    "inspect": {"models": "MODEL", "labels": "--labels", "text": "--text", "max_tokens": "--max-tokens"},
+}
 
 
 def default_demo_model() -> Path:
@@ -93,9 +114,9 @@ def _batch_size(text: str) -> int | str:
 
 
 def _text_file(text: str) -> str:
-    """The contents of a UTF-8 text file, so that an unreadable one is refused before any model work."""
+    """The contents of a UTF-8 text file, so that an unreadable or empty one is refused before any model work."""
     try:
-        return Path(text).expanduser().read_text(encoding="utf-8")
+        contents = Path(text).expanduser().read_text(encoding="utf-8")
     except FileNotFoundError:
         raise argparse.ArgumentTypeError(f"{text!r}: no such file") from None
     except IsADirectoryError:
@@ -104,9 +125,26 @@ def _text_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not UTF-8 text (byte {error.start}: {error.reason})") from None
     except OSError as error:
         raise argparse.ArgumentTypeError(f"{text!r}: {error.strerror}") from None
+    if not contents.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: the file must hold some text")
+    return contents
 
 
 # --- checks the handlers run before importing attnres ------------------------------------------------------------
+
+
+@functools.cache
+def _inputs() -> ModuleType:
+    """The API's checks of model paths and output folders, `attnres/inputs.py`, loaded as a module of its own:
+    `import attnres.inputs` would first run `attnres/__init__.py`, which imports torch and Transformers (seconds)
+    to register the Auto classes. The file imports nothing from the package, so it runs the same alone."""
+    package = importlib.util.find_spec("attnres")
+    if package is None or package.origin is None:
+        raise ModuleNotFoundError("the attnres package is not installed: pip install attnres")
+    spec = importlib.util.spec_from_file_location("_attnres_inputs", Path(package.origin).parent / "inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _check_output_folder(name: str, folder: Path) -> None:
@@ -120,8 +158,22 @@ def _first_line(error: BaseException) -> str:
     return message.strip().splitlines()[0] if message.strip() else type(error).__name__
 
 
+def _cli_names(message: str, names: Mapping[str, str]) -> str:
+    """`message` with the API's argument names as the command line spells them: `name=` anywhere (an index such as
+    `models[1]` included), and `name:` at the start, become the option or the metavar; `overwrite=True` becomes
+    `--overwrite`. Names inside others (`residual_mode=`, `AttnResConfig.block_size=`) are left alone."""
+    for api, cli in names.items():
+        if "=" in api:
+            message = re.sub(rf"(?<![\w.-]){re.escape(api)}(?!\w)", cli, message)
+        else:
+            message = re.sub(rf"(?<![\w.-]){re.escape(api)}(?:\[\d+\])?(?==)", cli, message)
+            message = re.sub(rf"^{re.escape(api)}(?=:)", cli, message)
+    return message
+
+
 def _fail(args: argparse.Namespace, error: BaseException) -> int:
-    print(f"attnres {args.command}: error: {_first_line(error)}", file=sys.stderr)
+    names = {**API_NAMES, **COMMAND_API_NAMES.get(args.command, {})}
+    print(f"attnres {args.command}: error: {_cli_names(_first_line(error), names)}", file=sys.stderr)
     return EXIT_INVALID
 
 
@@ -180,6 +232,10 @@ def _convert_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    inputs = _inputs()
+    inputs.check_model_source("source", args.source, gguf_file=args.gguf_file, revision=args.revision)
+    inputs.check_destination("destination", args.destination, source=args.source, overwrite=args.overwrite)
+
     from attnres.conversion import VerificationError, convert
 
     try:
@@ -231,6 +287,12 @@ def _export_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    inputs = _inputs()
+    inputs.check_model_source("model", args.model, gguf=False, revision=args.revision)
+    inputs.check_destination(
+        "destination", args.destination, source=args.model, source_name="model", overwrite=args.overwrite
+    )
+
     from attnres.conversion import VerificationError, export
 
     try:
@@ -292,6 +354,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     plot = args.plot if args.plot is not None else args.output / "depth-attention.png"
     if plot.is_dir():
         raise IsADirectoryError(f"--plot={str(plot)!r}: a folder, not a PNG file")
+    _inputs().check_model_source("source", model, gguf_file=args.gguf_file, revision=args.revision)
 
     from attnres.conversion import VerificationError, convert
 
@@ -429,6 +492,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     if not args.list_tasks:
         if args.model is None:
             raise ValueError("MODEL is required (only --list-tasks runs without one)")
+        _inputs().check_model_source("model", args.model)
+        if args.baseline is not None:
+            _inputs().check_model_source("baseline", args.baseline)
 
     from attnres.eval.suite import (
         PAPER_SUITE,
@@ -505,6 +571,8 @@ def _inspect_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_inspect(args: argparse.Namespace) -> int:
     _check_output_folder("--output-dir", args.output_dir)
+    for index, model in enumerate(args.models):
+        _inputs().check_model_source(f"models[{index}]", model, gguf=False)
 
     from attnres.analysis.inspection import inspect_models
 
@@ -527,21 +595,24 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _serve_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
+        usage="%(prog)s [-h] MODEL [OPTION ...]",
         help="serve an AttnRes checkpoint with Transformers' OpenAI-compatible server (`transformers serve`)",
         description="Run `transformers serve MODEL [OPTIONS]` with the AttnRes classes available to it (it finds a "
         "model's class by name among Transformers' own). Every option after MODEL is `transformers serve`'s: see "
         "`transformers serve --help` (--port, --host, --continuous-batching, --dtype, --trust-remote-code, ...).",
     )
     parser.add_argument("model", metavar="MODEL", help="AttnRes checkpoint folder or Hub id, served for every request")
-    parser.add_argument("options", nargs=argparse.REMAINDER, help="options of `transformers serve`")
+    options = parser.add_argument(
+        "options", nargs=argparse.REMAINDER, metavar="OPTION", help="options of `transformers serve` (optional)"
+    )
+    options.required = False  # argparse requires every REMAINDER positional, an empty one included
     parser.set_defaults(handler=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from attnres.inputs import check_model_source
-    from attnres.serving import serve
+    _inputs().check_model_source("model", args.model, gguf=False)
 
-    check_model_source("MODEL", args.model, gguf=False)
+    from attnres.serving import serve
 
     return serve([args.model, *args.options])
 

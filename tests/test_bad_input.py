@@ -30,6 +30,10 @@ from conftest import TINY_SHAPE
 
 
 HUB_ID = "attnres-tests/no-such-model"  # a well-formed Hub id that is neither cached nor local
+HUB_OFF = (
+    ": neither a local folder nor in the local Hub cache, and the Hugging Face Hub is off (HF_HUB_OFFLINE=1); pass a "
+    "local folder, or unset HF_HUB_OFFLINE to download it"
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ CASES = {
     "convert Hub id offline": Case(
         convert_(lambda f: HUB_ID),
         ConversionError,
-        f"source='{HUB_ID}': not a local path, and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)",
+        f"source='{HUB_ID}'" + HUB_OFF,
     ),
     "convert file named .gguf that is not GGUF": Case(
         convert_(lambda f: f.not_gguf),
@@ -169,12 +173,12 @@ CASES = {
     "convert existing destination": Case(
         lambda f: convert(f.llama, f.taken, verify=False, progress=False),
         ConversionError,
-        "destination='{taken}': already exists; pass overwrite=True (--overwrite) to replace it",
+        "destination='{taken}': already exists; pass overwrite=True to replace it",
     ),
     "convert destination inside source": Case(
         lambda f: convert(f.llama, f.llama / "inside", verify=False, progress=False),
         ConversionError,
-        "destination='{llama}/inside': overlaps source='{llama}'; conversion never modifies its source",
+        "destination='{llama}/inside': overlaps source='{llama}', which is only ever read, never written",
     ),
     "convert post-norm BertForMaskedLM": Case(
         convert_(lambda f: f.bert),
@@ -258,7 +262,7 @@ CASES = {
     "inspect Hub id offline": Case(
         lambda f: inspect_models([HUB_ID], "text", f.out),
         ValueError,
-        f"models[0]='{HUB_ID}': not a local path, and the Hugging Face Hub is offline (HF_HUB_OFFLINE=1)",
+        f"models[0]='{HUB_ID}'" + HUB_OFF,
     ),
     "inspect one model as a string": Case(
         lambda f: inspect_models(str(f.attnres), "text", f.out),

@@ -1,7 +1,7 @@
-"""Every bad input to the `attnres` command line: exit status 2, one line on stderr that names the argument and its
-value, no traceback, nothing written, and, where the value alone tells (parsing: ranges, text files, output folders),
-no torch imported, so it answers at once; model paths are checked by the API (`attnres.inputs`) before any model is
-loaded. The Python API's half of the table is tests/test_bad_input.py."""
+"""Every bad input to the `attnres` command line: exit status 2, one line on stderr that names the argument as the
+command line spells it (`--overwrite`, `SRC`, not the API's `overwrite=True`, `source`) and its value, no traceback,
+nothing written, and, where no model's config is needed (ranges, text files, output folders, model paths, the Hub's
+reach), torch never imported, so it answers at once. The Python API's half of the table is tests/test_bad_input.py."""
 
 import os
 
@@ -12,9 +12,21 @@ from conftest import TINY_SHAPE
 from test_cli import COMMANDS, run_probe
 
 
-def case(name: str, argv: list[str], *names: str, env: dict[str, str] | None = None, loads_torch: bool = False):
-    """`attnres *argv` must fail naming each of `names`; only cases that need a model's config may import torch."""
-    return pytest.param(argv, names, env or {}, loads_torch, id=name)
+# The Hub online but unreachable, at once: its address is a closed local port, so no test uses the network.
+HUB_UNREACHABLE = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
+def case(
+    name: str,
+    argv: list[str],
+    *names: str,
+    absent: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    loads_torch: bool = False,
+):
+    """`attnres *argv` must fail naming each of `names` and none of `absent` (the API's spellings of an option);
+    only cases that need a model's config may import torch."""
+    return pytest.param(argv, names, absent or [], env or {}, loads_torch, id=name)
 
 
 CASES = [
@@ -25,58 +37,46 @@ CASES = [
     case(
         "block-size-above-sublayers",
         ["convert", "tiny", "out", "--block-size", "7"],
-        "block_size",
-        "7",
+        "--block-size=7: must be an integer from 1 to 2 * num_hidden_layers = 6",
+        absent=["block_size="],
         loads_torch=True,
     ),
     case("mode-unknown", ["convert", "good", "out", "--mode", "diagonal"], "--mode", "'diagonal'"),
     case("dtype-unknown", ["convert", "good", "out", "--dtype", "int8"], "--dtype", "'int8'"),
     case("arguments-missing", ["convert"], "SRC", "DST"),
-    case(
-        "relative-path-missing",
-        ["convert", "./does-not-exist", "out"],
-        "source='./does-not-exist'",
-        "no such file",
-        loads_torch=True,
-    ),
-    case(
-        "name-missing",
-        ["convert", "does-not-exist", "out"],
-        "source='does-not-exist'",
-        "no such file",
-        loads_torch=True,
-    ),
+    case("relative-path-missing", ["convert", "./does-not-exist", "out"], "SRC='./does-not-exist'", "no such file"),
+    case("name-missing", ["convert", "does-not-exist", "out"], "SRC='does-not-exist'", "no such file"),
     case(
         "hub-id-offline",
         ["convert", "someone/not-cached", "out"],
-        "source='someone/not-cached'",
+        "SRC='someone/not-cached'",
+        "neither a local folder nor in the local Hub cache",
         "HF_HUB_OFFLINE=1",
-        loads_torch=True,
+        "pass a local folder",
     ),
-    case("gguf-not-gguf", ["convert", "x.gguf", "out"], "source='x.gguf'", "not a GGUF file", loads_torch=True),
     case(
-        "gguf-file-missing",
-        ["convert", "good", "out", "--gguf-file", "m.gguf"],
-        "gguf_file='m.gguf'",
-        "no such file",
-        loads_torch=True,
+        "hub-id-unreachable",  # the Hub's address is a closed local port: no network is used, the answer is at once
+        ["convert", "someone/not-cached", "out"],
+        "SRC='someone/not-cached'",
+        "neither a local folder nor reachable on the Hugging Face Hub (http://127.0.0.1:9: ",
+        "pass a local folder",
+        "HF_HUB_OFFLINE=1",
+        env=HUB_UNREACHABLE,
     ),
-    case("folder-without-config", ["convert", "empty", "out"], "source='empty'", "config.json", loads_torch=True),
+    case("gguf-not-gguf", ["convert", "x.gguf", "out"], "SRC='x.gguf'", "not a GGUF file"),
     case(
-        "file-not-a-model",
-        ["convert", "notes.txt", "out"],
-        "source='notes.txt'",
-        "not a model folder",
-        loads_torch=True,
+        "gguf-file-missing", ["convert", "good", "out", "--gguf-file", "m.gguf"], "--gguf-file='m.gguf'", "SRC='good'"
     ),
+    case("folder-without-config", ["convert", "empty", "out"], "SRC='empty'", "config.json"),
+    case("file-not-a-model", ["convert", "notes.txt", "out"], "SRC='notes.txt'", "not a model folder"),
     case(
         "destination-exists",
         ["convert", "good", "exists"],
-        "destination=",
-        "exists': already exists",
-        "--overwrite",
-        loads_torch=True,
+        "DST=",
+        "exists': already exists; pass --overwrite to replace it",
+        absent=["overwrite=True"],
     ),
+    case("destination-inside-source", ["convert", "good", "good/sub"], "DST=", "overlaps SRC="),
     case(
         "text-file-missing", ["convert", "good", "out", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"
     ),
@@ -88,23 +88,14 @@ CASES = [
         "UTF-8",
     ),
     case("text-file-folder", ["convert", "good", "out", "--text-file", "empty"], "--text-file", "'empty'", "folder"),
+    case(
+        "text-file-empty", ["convert", "good", "out", "--text-file", "blank.txt"], "--text-file", "'blank.txt'", "empty"
+    ),
     # demo
     case("demo-retrofit-steps-negative", ["demo", "--retrofit-steps", "-1"], "--retrofit-steps", "'-1'"),
     case("demo-block-size-0", ["demo", "--block-size", "0"], "--block-size", "'0'"),
-    case(
-        "demo-model-missing",
-        ["demo", "./nope", "--retrofit-steps", "0"],
-        "source='./nope'",
-        "no such file",
-        loads_torch=True,
-    ),
-    case(
-        "demo-gguf-not-gguf",
-        ["demo", "x.gguf", "--retrofit-steps", "0"],
-        "source='x.gguf'",
-        "not a GGUF file",
-        loads_torch=True,
-    ),
+    case("demo-model-missing", ["demo", "./nope", "--retrofit-steps", "0"], "MODEL='./nope'", "no such file"),
+    case("demo-gguf-not-gguf", ["demo", "x.gguf", "--retrofit-steps", "0"], "MODEL='x.gguf'", "not a GGUF file"),
     case("demo-output-is-a-file", ["demo", "good", "--output", "notes.txt"], "--output='notes.txt'", "not a folder"),
     case("demo-plot-is-a-folder", ["demo", "good", "--plot", "empty"], "--plot='empty'", "not a PNG file"),
     case("demo-text-file-missing", ["demo", "--text-file", "missing.txt"], "--text-file", "'missing.txt'"),
@@ -116,21 +107,14 @@ CASES = [
         loads_torch=True,
     ),
     # eval
-    case("eval-model-missing", ["eval", "/missing"], "model='/missing'", "no such file or folder", loads_torch=True),
-    case(
-        "eval-model-hub-id-offline",
-        ["eval", "someone/model"],
-        "model='someone/model'",
-        "HF_HUB_OFFLINE=1",
-        loads_torch=True,
-    ),
+    case("eval-model-missing", ["eval", "/missing"], "MODEL='/missing'", "no such file or folder"),
+    case("eval-model-hub-id-offline", ["eval", "someone/model"], "MODEL='someone/model'", "HF_HUB_OFFLINE=1"),
     case("eval-model-absent", ["eval"], "MODEL", "--list-tasks"),
     case(
         "eval-baseline-missing",
         ["eval", "good", "--baseline", "./nope"],
-        "baseline='./nope'",
+        "--baseline='./nope'",
         "no such file or folder",
-        loads_torch=True,
     ),
     case("eval-limit-negative", ["eval", "good", "--limit", "-1"], "--limit", "'-1'"),
     case("eval-limit-0", ["eval", "good", "--limit", "0"], "--limit", "'0'"),
@@ -150,33 +134,16 @@ CASES = [
         "a file",
     ),
     # inspect: every model is checked before the first is loaded
+    case("inspect-model-missing", ["inspect", "/missing", "--text", "hi"], "MODEL='/missing'", "no such folder"),
     case(
-        "inspect-model-missing",
-        ["inspect", "/missing", "--text", "hi"],
-        "models[0]='/missing'",
-        "no such folder",
-        loads_torch=True,
+        "inspect-second-model-missing", ["inspect", "good", "./bad", "--text", "hi"], "MODEL='./bad'", "no such folder"
     ),
-    case(
-        "inspect-second-model-missing",
-        ["inspect", "good", "./bad", "--text", "hi"],
-        "models[1]='./bad'",
-        "no such folder",
-        loads_torch=True,
-    ),
-    case(
-        "inspect-folder-without-config",
-        ["inspect", "empty", "--text", "hi"],
-        "models[0]='empty'",
-        "config.json",
-        loads_torch=True,
-    ),
+    case("inspect-folder-without-config", ["inspect", "empty", "--text", "hi"], "MODEL='empty'", "config.json"),
     case(
         "inspect-hub-id-offline",
         ["inspect", "someone/not-cached", "--text", "hi"],
-        "models[0]='someone/not-cached'",
+        "MODEL='someone/not-cached'",
         "HF_HUB_OFFLINE=1",
-        loads_torch=True,
     ),
     case("inspect-text-absent", ["inspect", "good"], "--text", "--text-file"),
     case(
@@ -189,7 +156,7 @@ CASES = [
     case(
         "inspect-labels-count",
         ["inspect", "good", "good", "--text", "hi", "--labels", "one"],
-        "labels=['one']",
+        "--labels=['one']",
         "2 models",
         loads_torch=True,
     ),
@@ -199,9 +166,33 @@ CASES = [
         "--output-dir='notes.txt'",
         "a file",
     ),
+    # export
+    case("export-model-missing", ["export", "./nope", "out", "--to", "fla"], "MODEL='./nope'", "no such folder"),
+    case(
+        "export-destination-exists",
+        ["export", "good", "exists", "--to", "fla"],
+        "DST=",
+        "pass --overwrite",
+        absent=["overwrite=True"],
+    ),
+    case(
+        "export-hub-id-unreachable",
+        ["export", "someone/not-cached", "out", "--to", "fla"],
+        "MODEL='someone/not-cached'",
+        "neither a local folder nor reachable on the Hugging Face Hub",
+        env=HUB_UNREACHABLE,
+    ),
     # serve, and the command itself
-    case("serve-model-missing", ["serve", "./nope"], "MODEL='./nope'", "no such folder", loads_torch=True),
-    case("serve-folder-without-config", ["serve", "empty"], "MODEL='empty'", "config.json", loads_torch=True),
+    case("serve-model-missing", ["serve", "./nope"], "MODEL='./nope'", "no such folder"),
+    case("serve-folder-without-config", ["serve", "empty"], "MODEL='empty'", "config.json"),
+    case(
+        "serve-hub-id-unreachable",
+        ["serve", "someone/not-cached", "--port", "8000"],
+        "MODEL='someone/not-cached'",
+        "neither a local folder nor reachable on the Hugging Face Hub",
+        env=HUB_UNREACHABLE,
+    ),
+    case("serve-model-absent", ["serve"], "required: MODEL (see", absent=["OPTION"]),
     case("command-unknown", ["frobnicate"], "'frobnicate'"),
     case("command-absent", [], "COMMAND"),
 ]
@@ -218,12 +209,13 @@ def workspace(tmp_path_factory):
     (root / "exists").mkdir()
     (root / "x.gguf").write_bytes(b"not a GGUF file")
     (root / "notes.txt").write_text("notes", encoding="utf-8")
+    (root / "blank.txt").write_text(" \n", encoding="utf-8")
     (root / "latin1.txt").write_bytes("café".encode("latin-1"))
     return root
 
 
-@pytest.mark.parametrize("argv, names, env, loads_torch", CASES)
-def test_bad_input_is_one_line_and_exit_2(workspace, argv, names, env, loads_torch):
+@pytest.mark.parametrize("argv, names, absent, env, loads_torch", CASES)
+def test_bad_input_is_one_line_and_exit_2(workspace, argv, names, absent, env, loads_torch):
     before = sorted(workspace.rglob("*"))
     result = run_probe(argv, cwd=workspace, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
 
@@ -235,6 +227,8 @@ def test_bad_input_is_one_line_and_exit_2(workspace, argv, names, env, loads_tor
     assert lines[0].startswith(f"{prog}: error: "), lines[0]
     for name in names:
         assert name in lines[0], f"{name!r} not in {lines[0]!r}"
+    for name in absent:
+        assert name not in lines[0], f"{name!r} in {lines[0]!r}"
     if not loads_torch:
         assert result.stdout.splitlines()[-1] == "[]", f"torch or transformers imported for {argv}"
     assert sorted(workspace.rglob("*")) == before, "a refused command must write nothing"

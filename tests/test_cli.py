@@ -12,7 +12,7 @@ from attnres_cli import build_parser, main
 from conftest import TINY_SHAPE
 
 
-COMMANDS = ("convert", "demo", "eval", "inspect", "serve")
+COMMANDS = ("convert", "demo", "eval", "export", "inspect", "serve")
 # Runs the command line in a fresh interpreter and reports, on stdout's last line, which heavy modules it imported.
 PROBE = """
 import sys

@@ -24,7 +24,7 @@ from transformers import AutoConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_attnres import RESIDUAL_MODES, AttnResConfig
-from ..inputs import ModelSource, check_model_source, check_positive_int
+from ..inputs import ModelSource, check_destination, check_model_source, check_positive_int
 from ..modeling_attnres import AttnResForCausalLM
 from .architectures import (
     ConversionError,
@@ -357,10 +357,9 @@ def _check_arguments(
     try:
         check_positive_int("max_text_tokens", max_text_tokens, minimum=2, why="the perplexity needs two tokens")
         located = check_model_source("source", source, gguf_file=gguf_file, revision=revision)
+        destination = check_destination("destination", destination, source=source, overwrite=overwrite)
     except ValueError as error:
         raise ConversionError(*error.args) from None
-    destination = Path(destination).expanduser().resolve()
-    _check_destination(source, destination, overwrite)
     return located, destination
 
 
@@ -371,22 +370,6 @@ def _as_dtype(name: str, dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ConversionError(f"{name}={dtype!r}: must be a floating-point torch dtype, e.g. 'bfloat16' or 'float32'")
     return resolved
-
-
-def _check_destination(source: str | os.PathLike, destination: Path, overwrite: bool) -> None:
-    """Refuse an existing DST (unless `overwrite`) and any DST that would write into or replace SRC."""
-    shown = f"destination={str(destination)!r}"
-    source_path = Path(source).expanduser()
-    if source_path.exists():
-        source_path = source_path.resolve()
-        if destination == source_path or destination in source_path.parents or source_path in destination.parents:
-            overlapped = f"source={str(source_path)!r}"
-            raise ConversionError(f"{shown}: overlaps {overlapped}; conversion never modifies its source")
-    if destination.exists() or destination.is_symlink():
-        if not overwrite:
-            raise ConversionError(f"{shown}: already exists; pass overwrite=True (--overwrite) to replace it")
-        if not destination.is_dir() or destination.is_symlink():
-            raise ConversionError(f"{shown}: exists and is not a folder; refusing to replace it")
 
 
 def _publish(output: Path, destination: Path, work: Path) -> None:

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 from ..configuration_attnres import AttnResConfig
-from ..inputs import check_model_source
+from ..inputs import check_destination, check_model_source
 from ..modeling_attnres import AttnResForCausalLM
 from .architectures import ConversionError
-from .converter import _check_destination, _publish
+from .converter import _publish
 from .fla import (
     FLA_ARCHITECTURE,
     FLA_NOT_IMPORTABLE,
@@ -108,10 +108,11 @@ def export(
         raise ConversionError(f"to={to!r}: must be one of {', '.join(map(repr, FORMATS))}")
     try:
         located = check_model_source("model", model, gguf=False, revision=revision)
+        destination = check_destination(
+            "destination", destination, source=model, source_name="model", overwrite=overwrite
+        )
     except ValueError as error:
         raise ConversionError(*error.args) from None
-    destination = Path(destination).expanduser().resolve()
-    _check_destination(model, destination, overwrite)
     config = AttnResConfig.from_pretrained(located.location, revision=revision)
     check_fla_exportable(config, drop_exact_retrofit)
     destination.parent.mkdir(parents=True, exist_ok=True)
