@@ -73,7 +73,7 @@ CASES = {
         dict(block_size=4, num_hidden_layers=8), 4, 2, "interleaved-1f1b", 4, cross_stage_cache=False
     ),
     # 4 processes: 2 stages, each sharded over 2 by FSDP2.
-    "fsdp-2x2": Case(dict(block_size=3, num_hidden_layers=4, **MOE), 2, 1, "1f1b", 2, data_parallel=2),
+    "fsdp-2x2": Case(dict(block_size=3, num_hidden_layers=4, **MOE), 2, 1, "1f1b", 2, data_parallel=2, save=True),
 }
 
 
@@ -158,9 +158,10 @@ def run_case(name: str, case: Case, output: Path) -> dict:
         for module in modules:
             module.eval()
         with torch.no_grad():
+            evaluation = evaluation.chunk(case.data_parallel)[data_rank]
             logits = schedule.eval(*([evaluation] if first else []), **(dict(target=evaluation) if last else {}))
         if last:
-            result["logits"] = logits
+            result["logits"] = logits[0] if isinstance(logits, tuple) else logits  # MoE: (logits, load-balancing loss)
         save_pipeline_checkpoint(modules, output / name, group=None)
     return result
 
