@@ -2,6 +2,8 @@
 
     from attnres.training import AttnResTrainer, lora_config, train_depth_only, retrofit_depth
 
+Pipeline parallelism, on PyTorch's engine, is `attnres.training.pipeline` (imported on its own).
+
 Not imported by the modeling code, so checkpoints loaded with `trust_remote_code=True` never need it.
 """
 
