@@ -4,6 +4,8 @@ nothing written, and, where no model's config is needed (ranges, text files, out
 reach), torch never imported, so it answers at once. The Python API's half of the table is tests/test_bad_input.py."""
 
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -232,3 +234,59 @@ def test_bad_input_is_one_line_and_exit_2(workspace, argv, names, absent, env, l
     if not loads_torch:
         assert result.stdout.splitlines()[-1] == "[]", f"torch or transformers imported for {argv}"
     assert sorted(workspace.rglob("*")) == before, "a refused command must write nothing"
+
+
+class _FakeHub(BaseHTTPRequestHandler):
+    """Answers a file's metadata request (HEAD .../{owner}/{name}/resolve/{revision}/{file}) the way the Hub does
+    for a repository that does not exist, a gated one, a missing revision and a missing file."""
+
+    ANSWERS = {
+        "unknown-org": (401, "RepoNotFound"),
+        "gated-org": (403, "GatedRepo"),
+        "no-such-branch": (404, "RevisionNotFound"),
+        "no-config": (404, "EntryNotFound"),
+        "missing.gguf": (404, "EntryNotFound"),
+    }
+
+    def do_HEAD(self):
+        parts = self.path.split("/")
+        status, code = next((answer for key, answer in self.ANSWERS.items() if key in parts), (200, None))
+        self.send_response(status)
+        if code is not None:
+            self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def fake_hub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["unknown-org/model"], "SRC='unknown-org/model': neither a local folder nor a repository on the Hugging Face"),
+        (["gated-org/model"], "SRC='gated-org/model': a gated repository on the Hugging Face Hub"),
+        (
+            ["known-org/model", "--revision", "no-such-branch"],
+            "--revision='no-such-branch': no such revision of SRC='known-org/model'",
+        ),
+        (["known-org/no-config"], "SRC='known-org/no-config': a Hugging Face Hub repository without config.json"),
+        (["known-org/model", "--gguf-file", "missing.gguf"], "--gguf-file='missing.gguf': no such file in SRC="),
+    ],
+    ids=["no-such-repository", "gated", "no-such-revision", "no-config", "no-such-gguf-file"],
+)
+def test_what_the_hub_answers_is_one_line_before_torch(tmp_path, fake_hub, argv, message):
+    """The Hub's answers to the one request that checks a Hub id (a local stand-in for the Hub, so no network)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": fake_hub}
+    result = run_probe(["convert", argv[0], "out", *argv[1:]], cwd=tmp_path, env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr and result.stdout.splitlines()[-1] == "[]", result.stderr
+    assert not (tmp_path / "out").exists()

@@ -477,6 +477,7 @@ def test_hub_id_downloads_safetensors_only(tmp_path, monkeypatch):
         lambda repo_id, revision=None: ["model.safetensors", "consolidated.safetensors", "config.json", "model.bin"],
     )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, **kwargs: None)  # the Hub answers
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, name, revision=None: str(source / name))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     report = convert("someone/tiny-llama", tmp_path / "out", revision="v1", verify=False, progress=False)
