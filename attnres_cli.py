@@ -45,6 +45,7 @@ API_NAMES = {
     "revision": "--revision",
     "destination": "DST",
     "overwrite=True": "--overwrite",
+    "verify=False": "--no-verify",
     "model": "MODEL",
 }
 COMMAND_API_NAMES = {

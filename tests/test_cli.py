@@ -87,3 +87,48 @@ def test_demo_on_a_checkpoint_without_tokenizer_keeps_its_output(tokenizerless_l
     assert main(argv) == 2
     assert "not an AttnRes model the demo can replace" in capsys.readouterr().err
     assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
+
+
+def _perplexity_line(report: str) -> str:
+    return next(line for line in report.splitlines() if line.strip().startswith("perplexity"))
+
+
+def test_text_file_is_read_as_bytes_without_a_tokenizer(tmp_path, capsys):
+    """A checkpoint without a tokenizer but with 256 ids or more reads --text-file as UTF-8 bytes: the perplexity
+    follows the file, and the report says what the probes were."""
+    LlamaForCausalLM(LlamaConfig(**{**TINY_SHAPE, "vocab_size": 300})).save_pretrained(tmp_path / "bytes")
+    texts = {"hamlet": "To be, or not to be, that is the question. " * 4, "digits": "0123456789 " * 20}
+    lines = {}
+    for name, text in texts.items():
+        (tmp_path / f"{name}.txt").write_text(text, encoding="utf-8")
+        argv = ["convert", str(tmp_path / "bytes"), str(tmp_path / name), "--text-file", str(tmp_path / f"{name}.txt")]
+        assert main(argv) == 0
+        report = capsys.readouterr().out
+        assert f"3 prompts and {len(text.encode())} tokens of the given text, as UTF-8 bytes" in report, report
+        assert "(the checkpoint has no tokenizer)" in report and "result               PASS" in report
+        lines[name] = _perplexity_line(report)
+    assert lines["hamlet"] != lines["digits"], lines
+
+    assert main(["convert", str(tmp_path / "bytes"), str(tmp_path / "default")]) == 0
+    assert "tokens of the package's sample text, as UTF-8 bytes" in capsys.readouterr().out
+
+
+def test_text_file_is_refused_where_it_cannot_be_read(tmp_path, capsys):
+    """Below 256 ids a checkpoint without a tokenizer is verified on random token ids, so --text-file is refused in
+    one line before any weight is written; so is --text-file with --no-verify, which would not read it."""
+    LlamaForCausalLM(LlamaConfig(**TINY_SHAPE)).save_pretrained(tmp_path / "small")  # 96 ids
+    (tmp_path / "text.txt").write_text("To be, or not to be.", encoding="utf-8")
+    source = str(tmp_path / "small")
+    capsys.readouterr()  # what saving the model printed
+    for extra, message in (
+        ([], f"--text-file: SRC={source!r} has no tokenizer, and its vocabulary of 96 ids is too small"),
+        (["--no-verify"], "--text-file: used only by the verification, which --no-verify skips"),
+    ):
+        assert main(["convert", source, str(tmp_path / "out"), "--text-file", str(tmp_path / "text.txt"), *extra]) == 2
+        error = capsys.readouterr().err
+        assert len(error.strip().splitlines()) == 1 and message in error, error
+        assert not (tmp_path / "out").exists() and len(list(tmp_path.iterdir())) == 2  # no partial folder left
+
+    assert main(["convert", source, str(tmp_path / "out")]) == 0
+    report = capsys.readouterr().out
+    assert "text tokens, all random token ids (the checkpoint has no tokenizer, and its 96 ids" in report, report

@@ -56,6 +56,7 @@ from .verify import (
     Tolerance,
     VerificationError,
     VerificationReport,
+    check_verification_text,
     verification_summary,
     verify_conversion,
 )
@@ -163,6 +164,8 @@ def convert(
         text=text,
         max_text_tokens=max_text_tokens,
     )
+    if text is not None and not verify:
+        raise ConversionError("text: used only by the verification, which verify=False skips")
     dtype = _as_dtype("dtype", dtype)
     verify_dtype = _as_dtype("verify_dtype", verify_dtype)
     fla_source = raw_source_config(located, revision)
@@ -190,6 +193,11 @@ def convert(
             architecture = source_architecture(original_config).architecture
             config = attnres_config(original_config, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
             rename = TensorRenamer(config)
+        if verify:  # a text the source cannot read is refused before any weight is
+            try:
+                check_verification_text(resolved.folder, config.vocab_size, text, f"source={str(source)!r}")
+            except ValueError as error:
+                raise ConversionError(*error.args) from None
         num_tensors, num_shards, depth_parameters, model_dtype = write_weights(
             resolved, config, output, rename, dtype=dtype, progress=progress
         )

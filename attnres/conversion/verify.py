@@ -1,9 +1,11 @@
 """Proof that a converted checkpoint computes what its source computes.
 
 Both models run the same probes: a few prompts (through the chat template when the tokenizer has one) and a text
-sample. The report compares their logits position by position, their greedy generations, and their perplexity on
-the text. Only one model is in memory at a time: the source's outputs are recorded, the source is freed, then the
-converted model runs and is compared against the record.
+sample. A checkpoint without a tokenizer reads them as UTF-8 bytes (one token id per byte, as byte-level models do),
+or, when its vocabulary has fewer than 256 ids, runs on random token ids and takes no text. The report says which,
+and compares their logits position by position, their greedy generations, and their perplexity on the text. Only
+one model is in memory at a time: the source's outputs are recorded, the source is freed, then the converted model
+runs and is compared against the record.
 
 Tolerance (float32, exact retrofit): max |dlogit| <= 1e-3, perplexity within 0.1%, every *decisive* position (the
 source's top-2 logit margin above twice the logit tolerance) with the same top-1 token, and identical greedy
@@ -33,6 +35,9 @@ PROBE_PROMPTS = (
 )
 DEFAULT_NEW_TOKENS = 20
 DEFAULT_TEXT_TOKENS = 256
+# The files Transformers builds a tokenizer from; a checkpoint with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+BYTE_VOCABULARY = 256  # token ids a model needs to read text as UTF-8 bytes
 
 
 def sample_text() -> str:
@@ -83,6 +88,7 @@ class VerificationReport:
     text_tokens: int
     new_tokens: int
     generations: list[GenerationComparison] = field(default_factory=list)
+    probes: str = ""  # what the models ran on: which text, and how it became token ids
 
     @property
     def perplexity_rel_diff(self) -> float:
@@ -118,7 +124,7 @@ class VerificationReport:
         tie_note = f", {ties} parting at a near-tie" if ties else ""
         ok = {True: "ok", False: "FAIL"}
         lines = [
-            f"Verification ({self.dtype}; {len(self.generations)} prompts and {self.text_tokens} text tokens)",
+            f"Verification ({self.dtype}) on {self.probes}",
             f"  max |dlogit|         {self.max_abs_logit_diff:.3e}   tolerance {self.tolerance.max_abs_logit:g}   "
             f"{ok[self.max_abs_logit_diff <= self.tolerance.max_abs_logit]}",
             f"  mean |dlogit|        {self.mean_abs_logit_diff:.3e}",
@@ -147,11 +153,12 @@ class VerificationError(RuntimeError):
 
 @dataclass
 class _Probes:
-    """Token ids both models run: prompts to continue and a text to score."""
+    """Token ids both models run: prompts to continue and a text to score, and what they are, for the report."""
 
     prompts: list[str]
     prompt_ids: list[torch.Tensor]
     text_ids: torch.Tensor
+    description: str
 
 
 @dataclass
@@ -162,26 +169,56 @@ class _Outputs:
     margins: list[torch.Tensor]  # top-2 margin of each generation step's scores
 
 
-def _probes(tokenizer, vocab_size: int, text: str, max_text_tokens: int) -> _Probes:
-    """Probe prompts and text as token ids; random token ids when the checkpoint ships no tokenizer."""
-    if tokenizer is None:
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_verification_text(folder: str | Path, vocab_size: int, text: str | None, shown: str) -> None:
+    """Refuse a verification `text` that the checkpoint `shown` in `folder` could not read: without a tokenizer, a
+    vocabulary below 256 ids holds no UTF-8 bytes, and the probes are random token ids instead."""
+    if text is not None and not has_tokenizer(folder) and vocab_size < BYTE_VOCABULARY:
+        raise ValueError(
+            f"text: {shown} has no tokenizer, and its vocabulary of {vocab_size} ids is too small for the text's "
+            f"UTF-8 bytes ({BYTE_VOCABULARY} ids); without a text it is verified on random token ids"
+        )
+
+
+def _probes(tokenizer, vocab_size: int, text: str | None, max_text_tokens: int) -> _Probes:
+    """Probe prompts and text as token ids: the tokenizer's, else UTF-8 bytes, else random ids (then `text` must be
+    None, see `check_verification_text`)."""
+    which = "the given text" if text is not None else "the package's sample text"
+    text = text if text is not None else sample_text()
+    prompts = list(PROBE_PROMPTS)
+    if tokenizer is None and vocab_size >= BYTE_VOCABULARY:
+        prompt_ids = [torch.tensor(list(p.encode("utf-8"))) for p in prompts]
+        text_ids = torch.tensor(list(text.encode("utf-8"))[:max_text_tokens])
+        how = "as UTF-8 bytes (the checkpoint has no tokenizer)"
+    elif tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         prompt_ids = [torch.randint(vocab_size, (12,), generator=generator) for _ in PROBE_PROMPTS]
         text_ids = torch.randint(vocab_size, (min(max_text_tokens, 128),), generator=generator)
-        return _Probes([f"<random token ids #{i}>" for i in range(len(prompt_ids))], prompt_ids, text_ids)
-    prompts = list(PROBE_PROMPTS)
-    if tokenizer.chat_template:
-        formatted = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts
-        ]
-        prompt_ids = [torch.tensor(tokenizer(f, add_special_tokens=False)["input_ids"]) for f in formatted]
+        description = (
+            f"{len(prompt_ids)} prompts and {len(text_ids)} text tokens, all random token ids (the checkpoint has "
+            f"no tokenizer, and its {vocab_size} ids are too few for UTF-8 bytes)"
+        )
+        return _Probes([f"<random token ids #{i}>" for i in range(len(prompt_ids))], prompt_ids, text_ids, description)
     else:
-        prompt_ids = [torch.tensor(tokenizer(p)["input_ids"]) for p in prompts]
-    text_ids = torch.tensor(tokenizer(text)["input_ids"][:max_text_tokens])
+        if tokenizer.chat_template:
+            formatted = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts
+            ]
+            prompt_ids = [torch.tensor(tokenizer(f, add_special_tokens=False)["input_ids"]) for f in formatted]
+        else:
+            prompt_ids = [torch.tensor(tokenizer(p)["input_ids"]) for p in prompts]
+        text_ids = torch.tensor(tokenizer(text)["input_ids"][:max_text_tokens])
+        how = "with the checkpoint's tokenizer"
     if len(text_ids) < 2:
         raise ValueError("The verification text must be at least two tokens long.")
-    return _Probes(prompts, prompt_ids, text_ids)
+    description = f"{len(prompts)} prompts and {len(text_ids)} tokens of {which}, {how}"
+    return _Probes(prompts, prompt_ids, text_ids, description)
 
 
 @torch.no_grad()
@@ -234,17 +271,19 @@ def verify_conversion(
         weights_dtype: the dtype the conversion cast the weights to, if it cast them. The source's weights are
             rounded to it before running, so the check measures the conversion, not the requested rounding.
         text: English text for the perplexity (defaults to the passage shipped with the package), cut to
-            `max_text_tokens` tokens.
+            `max_text_tokens` tokens. Refused (`ValueError`) for a source without a tokenizer whose vocabulary
+            cannot hold UTF-8 bytes, which is verified on random token ids.
         new_tokens: length of the greedy generations compared.
         source_generates_with_cache: whether the source's `generate` uses its KV cache. FLA 0.6.0's cached
             generation under Transformers 5.24 does not follow its own forward pass (measured), so for FLA models
             every step is a full forward pass instead.
     """
     source, converted = Path(source), Path(converted)
-    tokenizer = AutoTokenizer.from_pretrained(source) if _has_tokenizer(source) else None
+    tokenizer = AutoTokenizer.from_pretrained(source) if has_tokenizer(source) else None
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype or dtype).to(dtype)
-    probes = _probes(tokenizer, model.config.vocab_size, text if text is not None else sample_text(), max_text_tokens)
+    check_verification_text(source, model.config.vocab_size, text, f"source={str(source)!r}")
+    probes = _probes(tokenizer, model.config.vocab_size, text, max_text_tokens)
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id
     generation_config = GenerationConfig(
@@ -270,10 +309,6 @@ def verify_conversion(
     gc.collect()
 
     return _compare(reference, result, probes, tokenizer, tolerance, dtype, new_tokens)
-
-
-def _has_tokenizer(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
 def _compare(
@@ -321,4 +356,5 @@ def _compare(
         text_tokens=len(probes.text_ids),
         new_tokens=new_tokens,
         generations=generations,
+        probes=probes.description,
     )
