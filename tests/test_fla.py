@@ -2,11 +2,13 @@
 attnres -> FLA gives FLA's logits and FLA's weights back bit for bit, for Full AttnRes and blocks of 2 and 4
 sublayers; what either side cannot represent is refused in one line.
 
-FLA's model needs flash-attn and Triton kernels, so `fla_cpu.install()` puts its own torch references (and SDPA) in
-their place, in this process only.
+FLA's model needs flash-attn and Triton kernels, so it runs here on the torch references that the verification of
+FLA conversions uses (`attnres.conversion.fla_reference`: FLA's own references, SDPA for flash-attn).
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 import attnres_cli
 from attnres import AttnResForCausalLM
 from attnres.conversion import ConversionError, convert, export
+from attnres.conversion.fla_reference import fla_on_torch
 from conftest import TINY_SHAPE, randomize_depth_parameters, tiny_config
 
 
@@ -27,9 +30,8 @@ except ImportError as error:
 
 @pytest.fixture(autouse=True, scope="module")
 def fla_on_this_cpu():
-    import fla_cpu
-
-    fla_cpu.install()
+    with fla_on_torch():
+        yield
 
 
 def fla_model(folder, block_size: int, **overrides) -> TransformerForCausalLM:
@@ -171,13 +173,62 @@ def test_what_fla_cannot_represent_is_refused_in_one_line(tmp_path, case, capsys
 
 
 def test_without_fla_only_the_weights_are_mapped_and_the_report_says_so(tmp_path, monkeypatch):
-    from attnres.conversion import converter, exporter
+    from attnres.conversion import fla
 
     fla_model(tmp_path / "fla", 2)
-    monkeypatch.setattr(converter, "fla_is_importable", lambda: False)
-    monkeypatch.setattr(exporter, "fla_is_importable", lambda: False)
+    monkeypatch.setattr(fla, "fla_is_importable", lambda: False)
     report = convert(tmp_path / "fla", tmp_path / "attnres", progress=False)
     assert report.verification is None
     assert "Not verified: FLA (flash-linear-attention) is not importable here, so only the weights" in report.format()
     exported = export(tmp_path / "attnres", tmp_path / "fla-again", to="fla")
     assert exported.verification is None and "only the weights were mapped" in exported.format()
+
+
+def test_an_fla_checkpoint_converts_verified_without_flash_attn(tmp_path):
+    """`attnres convert` of an FLA checkpoint in a fresh process, where nothing is patched and flash-attn is not
+    installed (any CPU machine): FLA's model checks the conversion on its torch references, and the FLA modules are
+    left as they were."""
+    fla_model(tmp_path / "fla", 2)
+    probe = (
+        "import importlib.util, sys, attnres_cli, fla.layers.attn\n"
+        "assert importlib.util.find_spec('flash_attn') is None, 'flash-attn is installed'\n"
+        "before = fla.layers.attn.flash_attn_func\n"
+        "status = attnres_cli.main(sys.argv[1:])\n"
+        "assert fla.layers.attn.flash_attn_func is before\n"
+        "sys.exit(status)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "convert", str(tmp_path / "fla"), str(tmp_path / "attnres")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Converted FLA TransformerForCausalLM" in result.stdout and "result               PASS" in result.stdout
+    assert "Please install Flash Attention" not in result.stderr
+    assert AttnResForCausalLM.from_pretrained(tmp_path / "attnres").config.depth_block_size == 2
+
+
+def test_an_fla_version_without_the_reference_points_maps_the_weights_only(tmp_path, monkeypatch, capsys):
+    """Where an FLA version has moved a function the torch references replace, the conversion is not run half on
+    kernels that cannot run: it maps the weights and says why, in one line of its report."""
+    import fla.modules.mlp
+
+    fla_model(tmp_path / "fla", 2)
+    monkeypatch.delattr(fla.modules.mlp, "swiglu")
+    capsys.readouterr()
+    assert attnres_cli.main(["convert", str(tmp_path / "fla"), str(tmp_path / "attnres")]) == 0
+    out = capsys.readouterr().out
+    reason = "Not verified: FLA 0.6.0 has no fla.modules.mlp.swiglu, where its torch references go, so only the weights"
+    assert reason in out, out
+    assert (tmp_path / "attnres" / "model.safetensors").is_file()
+
+
+def test_the_torch_references_nest_and_restore(tmp_path):
+    import fla.layers.attn
+    import fla.modules.norm.layernorm
+
+    patched = fla.layers.attn.flash_attn_func, fla.modules.norm.layernorm.rms_norm  # by this module's fixture
+    with fla_on_torch():
+        pass
+    assert (fla.layers.attn.flash_attn_func, fla.modules.norm.layernorm.rms_norm) == patched

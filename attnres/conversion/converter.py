@@ -7,6 +7,7 @@ written into a temporary folder beside DST; it becomes DST by a rename only afte
 absent, left as it was, or complete and verified.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -35,14 +36,8 @@ from .architectures import (
     is_depth_parameter,
     source_architecture,
 )
-from .fla import (
-    FLA_ARCHITECTURE,
-    FLA_NOT_IMPORTABLE,
-    FlaRenamer,
-    fla_conversion_config,
-    fla_is_importable,
-    is_fla_config,
-)
+from .fla import FLA_ARCHITECTURE, FlaRenamer, fla_conversion_config, fla_verification_problem, is_fla_config
+from .fla_reference import fla_on_torch
 from .sources import (
     SAFETENSORS_INDEX,
     LocalSource,
@@ -221,19 +216,19 @@ def convert(
             depth_parameters=depth_parameters,
             carried_files=carried,
         )
-        if verify and fla_source is not None and not fla_is_importable():
-            report.unverified_reason = FLA_NOT_IMPORTABLE
-        elif verify:
-            report.verification = verify_conversion(
-                resolved.folder,
-                output,
-                tolerance=tolerance,
-                dtype=verify_dtype,
-                weights_dtype=dtype,
-                text=text,
-                max_text_tokens=max_text_tokens,
-                source_generates_with_cache=fla_source is None,
-            )
+        report.unverified_reason = fla_verification_problem() if verify and fla_source is not None else None
+        if verify and report.unverified_reason is None:
+            with fla_on_torch() if fla_source is not None else contextlib.nullcontext():
+                report.verification = verify_conversion(
+                    resolved.folder,
+                    output,
+                    tolerance=tolerance,
+                    dtype=verify_dtype,
+                    weights_dtype=dtype,
+                    text=text,
+                    max_text_tokens=max_text_tokens,
+                    source_generates_with_cache=fla_source is None,
+                )
             if not report.verification.passed:
                 report.seconds = time.perf_counter() - started
                 raise VerificationError(

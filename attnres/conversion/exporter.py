@@ -23,13 +23,13 @@ from .architectures import ConversionError
 from .converter import _publish
 from .fla import (
     FLA_ARCHITECTURE,
-    FLA_NOT_IMPORTABLE,
     check_fla_exportable,
     fla_config,
-    fla_is_importable,
     fla_names,
+    fla_verification_problem,
     is_fla_query,
 )
+from .fla_reference import fla_on_torch
 from .sources import copy_carried_files, resolve_source
 from .verify import Tolerance, VerificationError, VerificationReport, verification_summary, verify_conversion
 
@@ -158,12 +158,12 @@ def export(
             retrofit_deviation=deviation,
         )
         del source, state, tensors
-        if verify and not fla_is_importable():
-            report.unverified_reason = FLA_NOT_IMPORTABLE
-        elif verify:
-            report.verification = verify_conversion(
-                output, reference_folder, tolerance=tolerance, source_generates_with_cache=False
-            )
+        report.unverified_reason = fla_verification_problem() if verify else None
+        if verify and report.unverified_reason is None:
+            with fla_on_torch():
+                report.verification = verify_conversion(
+                    output, reference_folder, tolerance=tolerance, source_generates_with_cache=False
+                )
             if not report.verification.passed:
                 report.seconds = time.perf_counter() - started
                 raise VerificationError(

@@ -237,6 +237,17 @@ def is_fla_query(fla_name: str) -> bool:
     return fla_name.endswith("res_proj.weight")
 
 
+def fla_verification_problem() -> str | None:
+    """Why FLA's own model cannot check a conversion or an export here, for the report (None when it can: FLA is
+    importable and runs on the torch references of `fla_reference`, flash-attn or not)."""
+    if not fla_is_importable():
+        return FLA_NOT_IMPORTABLE
+    from .fla_reference import fla_torch_problem
+
+    problem = fla_torch_problem()
+    return None if problem is None else f"{problem}, so only the weights were mapped"
+
+
 def fla_is_importable() -> bool:
     """Whether FLA's models can be imported here (`fla.models` needs Triton importable, not runnable)."""
     if importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None:
