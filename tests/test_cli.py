@@ -78,7 +78,8 @@ def test_demo_on_a_checkpoint_without_tokenizer_keeps_its_output(tokenizerless_l
     assert "result               PASS" in out and "no tokenizer, so the retrofit step" in out
     model = tmp_path / "attnres-demo" / "model"  # the default --output, in the current folder
     assert json.loads((model / "config.json").read_text())["model_type"] == "attnres"
-    assert f"The AttnRes model is in {Path('attnres-demo', 'model')}" in out
+    assert f"The demo wrote:\n  {Path('attnres-demo', 'model')}  the exact conversion" in out
+    assert not (tmp_path / "attnres-demo" / "retrofitted").exists()  # nothing was trained
 
     # A second run replaces the demo's own model; a folder the demo did not write is never replaced.
     assert main(argv) == 0

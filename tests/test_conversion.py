@@ -682,5 +682,8 @@ def test_demo_runs_offline_on_the_default_model(smollm2_gguf, tmp_path):
     assert "result               PASS" in out and "3/3 identical" in out
     assert "Greedy generations" in out and "Paris" in out
     assert "held-out loss" in out and (tmp_path / "demo" / "depth-attention.png").is_file()
-    model = tmp_path / "demo" / "model"
-    assert all((model / name).is_file() for name in (*CODE_FILES, "tokenizer.json", "chat_template.jinja"))
+    for model in (tmp_path / "demo" / "model", tmp_path / "demo" / "retrofitted"):
+        assert all((model / name).is_file() for name in (*CODE_FILES, "tokenizer.json", "chat_template.jinja"))
+    written = out.split("The demo wrote:")[1].splitlines()  # which folder holds which model
+    assert any(f"{tmp_path / 'demo' / 'model'} " in line and "the exact conversion" in line for line in written)
+    assert any(f"{tmp_path / 'demo' / 'retrofitted'} " in line and "after the 2 depth-only" in line for line in written)

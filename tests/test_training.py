@@ -23,6 +23,7 @@ from attnres.training import (
     demo_retrofit,
     depth_attention_table,
     depth_parameter_names,
+    is_depth_parameter,
     lora_config,
     no_decay_parameter_names,
     optimizer_groups,
@@ -352,12 +353,12 @@ def test_depth_attention_table_and_plot(tmp_path):
     model = AttnResForCausalLM(tiny_config())
     randomize_depth_parameters(model)
     ids = counting_dataset(num_rows=2)[0]["input_ids"][None]
-    table, labels = depth_attention_table(model, ids)
+    grid = depth_attention_table(model, ids)
     # 6 sublayers + output; block size 2 gives b0..b3 and the partial column.
-    assert table.shape == (7, 5)
-    assert labels == ["attn 0", "mlp 0", "attn 1", "mlp 1", "attn 2", "mlp 2", "output"]
-    torch.testing.assert_close(table.nansum(dim=1), torch.ones(7))
-    present = ~table.isnan()
+    assert grid.values.shape == (7, 5) and grid.sources == ["b0 (embedding)", "b1", "b2", "b3", "partial"]
+    assert grid.steps == ["attn 0", "mlp 0", "attn 1", "mlp 1", "attn 2", "mlp 2", "output"]
+    torch.testing.assert_close(grid.values.nansum(dim=1), torch.ones(7))
+    present = ~grid.values.isnan()
     assert present.sum(dim=1).tolist() == [1, 2, 2, 3, 3, 4, 4]
     assert present[1, -1] and not present[2, -1] and not present[6, -1]  # partial only inside a block
     path = plot_depth_attention(model, ids, tmp_path / "depth.png", title="tiny")
@@ -381,12 +382,25 @@ RETROFIT_STEPS = 8
 
 
 def test_demo_retrofit_depth_only_lowers_the_held_out_loss_of_converted_smollm2(converted_smollm2, tmp_path):
-    report, plot = demo_retrofit(converted_smollm2, steps=RETROFIT_STEPS, plot_path=tmp_path / "depth.png")
+    saved = tmp_path / "retrofitted"
+    report, plot = demo_retrofit(converted_smollm2, steps=RETROFIT_STEPS, plot_path=tmp_path / "depth.png", save_to=saved)
     print(f"\n[depth only] {report.format()}")
     assert report.trainable_parameters == 70272  # 61 mixing steps x (pseudo-query + key norm) x 576
     assert report.steps == RETROFIT_STEPS and len(report.train_losses) == RETROFIT_STEPS
     assert report.eval_loss_after < report.eval_loss_before - 0.01, report.format()
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The trained model is saved beside the conversion's tokenizer and code; the conversion is left untrained.
+    assert {p.name for p in converted_smollm2.iterdir()} <= {p.name for p in saved.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".retrofitted")]  # no work folder left behind
+    trained = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    untrained = AutoModelForCausalLM.from_pretrained(converted_smollm2, dtype=torch.float32)
+    queries = {n: p for n, p in trained.named_parameters() if n.endswith("pseudo_query")}
+    untouched = [n for n, p in queries.items() if p.abs().max() == 0]
+    assert len(queries) == 61 and untouched == ["model.layers.0.attn_residual.query.pseudo_query"], untouched  # 1 source
+    assert all(p.abs().max() == 0 for n, p in untrained.named_parameters() if n.endswith("pseudo_query"))
+    for (name, a), (_, b) in zip(trained.named_parameters(), untrained.named_parameters()):
+        assert is_depth_parameter(name) or torch.equal(a, b), name  # only the depth parameters were trained
 
 
 def test_retrofit_with_lora_lowers_the_held_out_loss_of_converted_smollm2(converted_smollm2):

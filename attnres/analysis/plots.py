@@ -1,9 +1,10 @@
-"""PNG pictures of `DepthProfile`s: depth-attention maps (the paper's Figure 8) and per-sublayer magnitude and
+"""PNG pictures of `DepthProfile`s: depth-attention maps (as the paper's Figure 8) and per-sublayer magnitude and
 gradient profiles, with several models side by side (or overlaid) so a baseline and its AttnRes twin compare."""
 
 from pathlib import Path
 
-from .profiles import DepthProfile, attention_matrices
+from .depth_attention import draw_depth_attention
+from .profiles import DepthProfile
 
 
 def _pyplot():
@@ -16,26 +17,10 @@ def _pyplot():
 
 
 def plot_depth_attention(profiles: list[DepthProfile], path: Path) -> Path:
-    """One row per model with depth attention: its pre-attention and pre-MLP weight maps, rows = decoder layers
-    (the pre-MLP map ends with the output step), columns = sources (b_0 = embedding, then blocks or sublayers)."""
-    plt = _pyplot()
-    with_weights = [p for p in profiles if p.attention_weights]
-    figure, axes = plt.subplots(len(with_weights), 2, figsize=(11, 0.5 + 3.2 * len(with_weights)), squeeze=False)
-    for row, profile in enumerate(with_weights):
-        attention, mlp = attention_matrices(profile)
-        for axis, matrix, kind in ((axes[row, 0], attention, "pre-attention"), (axes[row, 1], mlp, "pre-MLP")):
-            image = axis.imshow(matrix.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-            axis.set_title(f"{profile.label} ({profile.residual_mode}): {kind}", fontsize=9)
-            axis.set_xlabel("source: 0 = embedding, then blocks (the last may be the partial sum)")
-            axis.set_xticks(range(matrix.shape[1]))
-            axis.set_ylabel("decoder layer")
-            labels = [str(i) for i in range(attention.shape[0])] + (["out"] if matrix is mlp else [])
-            axis.set_yticks(range(len(labels)), labels, fontsize=7)
-            figure.colorbar(image, ax=axis, fraction=0.04)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    """One row per model with depth attention (`attnres.analysis.depth_attention`: the grid and picture of
+    `attnres demo`): rows are the mixing steps in sublayer order, columns the sources b0 (embedding) .. bN, partial."""
+    tables = [(f"{p.label} ({p.residual_mode})", p.depth_attention()) for p in profiles if p.attention_weights]
+    return draw_depth_attention(tables, path)
 
 
 def _plot_lines(profiles: list[DepthProfile], series: list[tuple[str, str]], title: str, path: Path) -> Path:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..depth_mixing import PendingInput
+from .depth_attention import DepthAttentionTable, tabulate_depth_attention
 
 
 @dataclass
@@ -37,6 +38,11 @@ class DepthProfile:
     # Depth-mixing module name -> mean weights over the tokens, one per source (b_0 = embedding first). Empty for
     # models without depth attention.
     attention_weights: dict[str, list[float]] = field(default_factory=dict)
+    depth_block_size: int | None = None  # sublayers per block, for models with depth attention
+
+    def depth_attention(self) -> DepthAttentionTable:
+        """The depth-attention weights on the grid `attnres demo` draws too (`attnres.analysis.depth_attention`)."""
+        return tabulate_depth_attention(self.attention_weights, self.depth_block_size, self.num_sublayers)
 
     @property
     def num_sublayers(self) -> int:
@@ -121,22 +127,5 @@ def depth_profile(model: nn.Module, input_ids: torch.Tensor, label: str = "model
         gradient_norms=gradient_norms,
         final_input_rms=final_input_rms,
         attention_weights=attention_weights,
+        depth_block_size=model.config.depth_block_size if attention_weights else None,
     )
-
-
-def attention_matrices(profile: DepthProfile) -> tuple[torch.Tensor, torch.Tensor]:
-    """The depth-attention maps of the paper's Figure 8: pre-attention and pre-MLP weights as `[layers, sources]`
-    matrices (row i = decoder layer i, column j = source j, b_0 = embedding; NaN where a step has no such source).
-    The pre-MLP matrix has one more row, the output step."""
-    num_layers = profile.num_sublayers // 2
-    width = max(len(w) for w in profile.attention_weights.values())
-    attention = torch.full((num_layers, width), math.nan)
-    mlp = torch.full((num_layers + 1, width), math.nan)
-    for name, weights in profile.attention_weights.items():
-        if name == "output_residual":
-            mlp[num_layers, : len(weights)] = torch.tensor(weights)
-            continue
-        _, index, kind = name.split(".")
-        target = attention if kind == "attn_residual" else mlp
-        target[int(index), : len(weights)] = torch.tensor(weights)
-    return attention, mlp

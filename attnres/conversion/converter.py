@@ -236,7 +236,7 @@ def convert(
                     f"{destination} was not written: the converted model does not match its source "
                     f"({'; '.join(report.verification.failures)}).",
                 )
-        _publish(output, destination, work)
+        publish(output, destination, work)
         report.seconds = time.perf_counter() - started
         return report
     finally:
@@ -375,7 +375,7 @@ def _as_dtype(name: str, dtype: torch.dtype | str | None) -> torch.dtype | None:
     return resolved
 
 
-def _publish(output: Path, destination: Path, work: Path) -> None:
+def publish(output: Path, destination: Path, work: Path) -> None:
     """Move the finished checkpoint to DST by rename; an existing DST is moved aside first and deleted last."""
     previous = work / "previous"
     if destination.exists():

@@ -20,7 +20,7 @@ from ..configuration_attnres import AttnResConfig
 from ..inputs import check_destination, check_model_source
 from ..modeling_attnres import AttnResForCausalLM
 from .architectures import ConversionError
-from .converter import _publish
+from .converter import publish
 from .fla import (
     FLA_ARCHITECTURE,
     check_fla_exportable,
@@ -171,7 +171,7 @@ def export(
                     f"{destination} was not written: FLA's model does not compute the exported one's function "
                     f"({'; '.join(report.verification.failures)}).",
                 )
-        _publish(output, destination, work)
+        publish(output, destination, work)
         report.seconds = time.perf_counter() - started
         return report
     finally:

@@ -7,7 +7,8 @@ starting point improve; `plot_depth_attention` shows which sources each sublayer
 """
 
 import math
-import re
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..analysis.depth_attention import DepthAttentionTable, draw_depth_attention, tabulate_depth_attention
 from ..inputs import check_positive_int
 from .data import token_stream, token_windows
 from .depth import train_depth_only
@@ -155,89 +157,40 @@ def retrofit_depth(
     )
 
 
-# `layers.3.mlp_residual`, `output_residual`, also below PEFT's wrapper (`….attn_residual.modules_to_save.default`).
-_MIXING_STEP = re.compile(r"(?:layers\.(\d+)\.)?(attn|mlp|output)_residual")
-
-
-def depth_attention_table(model: nn.Module, input_ids: torch.LongTensor) -> tuple[torch.Tensor, list[str]]:
-    """Mean depth-attention weight of every mixing step over the tokens of `input_ids`, on a common grid.
-
-    Returns a `[L + 1, N + 2]` tensor (NaN where a step has no such source) and the row labels. Rows are the
-    mixing steps in sublayer order (`attn 0`, `mlp 0`, ..., `output`); columns are the block sources
-    b_0 (embedding) .. b_N and, last, the running partial sum of the current block (docs/design.md §4).
-    """
+def depth_attention_table(model: nn.Module, input_ids: torch.LongTensor) -> DepthAttentionTable:
+    """Mean depth-attention weight of every mixing step of `model` (PEFT-wrapped or not) over the tokens of
+    `input_ids`, on the grid `attnres demo` and `attnres inspect` share (rows: the steps in sublayer order; columns:
+    b_0 = the embedding, the blocks, the running partial sum of the current block; docs/design.md §4)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config
     weights = base.model.depth_attention_weights(input_ids)
     if not weights:
         raise ValueError("The model has no depth-mixing steps (residual_mode='standard').")
-    block_size, num_sublayers = config.depth_block_size, config.num_sublayers
-    num_blocks = math.ceil(num_sublayers / block_size)
-    table = torch.full((num_sublayers + 1, num_blocks + 2), float("nan"))
-    labels = [""] * (num_sublayers + 1)
-    for name, step_weights in weights.items():
-        layer, kind = _MIXING_STEP.search(name).groups()
-        position = num_sublayers + 1 if kind == "output" else 2 * int(layer) + (1 if kind == "attn" else 2)
-        completed = num_blocks + 1 if kind == "output" else (position - 1) // block_size + 1
-        mean = step_weights.float().mean(dim=(0, 1)).cpu()
-        table[position - 1, :completed] = mean[:completed]
-        if mean.numel() > completed:
-            table[position - 1, -1] = mean[completed]
-        labels[position - 1] = "output" if kind == "output" else f"{kind} {layer}"
-    return table, labels
+    means = {name: step_weights.float().mean(dim=(0, 1)).cpu() for name, step_weights in weights.items()}
+    return tabulate_depth_attention(means, base.config.depth_block_size, base.config.num_sublayers)
 
 
 def plot_depth_attention(
     model: nn.Module, input_ids: torch.LongTensor, path: str | Path, title: str | None = None
 ) -> Path:
-    """Draw the learned depth-attention weights of `model` on `input_ids` into a PNG at `path`.
-
-    Two panels over the same grid (`depth_attention_table`): the mean weight each mixing step gives each source,
-    and its change from uniform attention (1 / number of sources, where every retrofit starts), which is where a
-    short training run shows what it learned. Uses matplotlib's object API, leaving pyplot's global state alone.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    table, labels = depth_attention_table(model, input_ids)
-    uniform = 1.0 / (~table.isnan()).sum(dim=1, keepdim=True)
-    change = table - uniform
-    limit = max(change.nan_to_num().abs().max().item(), 1e-6)
-    columns = [f"b{i}" for i in range(table.shape[1] - 1)] + ["partial"]
-    columns[0] = "b0 (emb)"
-
-    figure = Figure(figsize=(2.0 + 0.45 * table.shape[1] * 2, 1.5 + 0.16 * table.shape[0]), layout="constrained")
-    FigureCanvasAgg(figure)
-    left, right = figure.subplots(1, 2, sharey=True)
-    panels = [
-        (left, table, "viridis", 0.0, 1.0, "weight"),
-        (right, change, "RdBu_r", -limit, limit, "weight - uniform"),
-    ]
-    for axes, values, cmap, vmin, vmax, label in panels:
-        image = axes.imshow(values.numpy(), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
-        axes.set_xticks(range(len(columns)), columns, rotation=90, fontsize=7)
-        axes.set_xlabel("source")
-        figure.colorbar(image, ax=axes, label=label, shrink=0.8)
-    left.set_yticks(range(len(labels)), labels, fontsize=6)
-    left.set_ylabel("depth-mixing step (sublayer order)")
-    left.set_title("learned depth attention", fontsize=9)
-    right.set_title("change from uniform (the retrofit start)", fontsize=9)
-    if title:
-        figure.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    return path
+    """Draw the learned depth-attention weights of `model` on `input_ids` into a PNG at `path`: the weights and their
+    change from uniform attention, where every retrofit starts (`attnres.analysis.depth_attention`)."""
+    return draw_depth_attention([("", depth_attention_table(model, input_ids))], path, title=title or "")
 
 
 DEMO_TRAIN_PLAY, DEMO_EVAL_PLAY = "hamlet", "macbeth"
 
 
 def demo_retrofit(
-    folder: str | Path, *, steps: int = 12, plot_path: str | Path = "attnres-depth-attention.png", progress: bool = True
+    folder: str | Path,
+    *,
+    steps: int = 12,
+    plot_path: str | Path = "attnres-depth-attention.png",
+    save_to: str | Path | None = None,
+    progress: bool = True,
 ) -> tuple[RetrofitReport, Path]:
     """The `attnres demo` retrofit step: train the converted model in `folder` (depth parameters only) on Hamlet,
-    measure the held-out loss on Macbeth before and after, and draw the learned depth attention into `plot_path`.
+    measure the held-out loss on Macbeth before and after, draw the learned depth attention into `plot_path` and, with
+    `save_to`, save the trained model there (replacing what is there) beside `folder`'s tokenizer and code.
 
     Returns the report and the PNG's path. Raises `FileNotFoundError` (saying how to get them) when the plays are
     missing.
@@ -253,6 +206,31 @@ def demo_retrofit(
     report = retrofit_depth(
         model, tokenizer, [plays[DEMO_TRAIN_PLAY]], [plays[DEMO_EVAL_PLAY]], steps=steps, progress=progress
     )
+    if save_to is not None:
+        save_retrofitted(model, Path(folder), Path(save_to))
     sample = torch.tensor([tokenizer(plays[DEMO_EVAL_PLAY][:2000])["input_ids"][:128]])
     title = f"{model.config.residual_mode} AttnRes after {steps} depth-only steps on {DEMO_TRAIN_PLAY}"
     return report, plot_depth_attention(model, sample, plot_path, title=title)
+
+
+def save_retrofitted(model: nn.Module, converted: Path, destination: Path) -> None:
+    """Save `model`, retrofitted from the conversion in `converted`, as a complete checkpoint in `destination`: its
+    weights and config, and the conversion's other files (tokenizer, chat template, generation config, remote code).
+
+    Written beside `destination` and renamed into place, so `destination` is never half-written.
+    """
+    from ..conversion.converter import publish
+
+    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
+    try:
+        output = work / "retrofitted"
+        shutil.copytree(converted, output, ignore=lambda _, names: [n for n in names if _is_weights_or_config(n)])
+        model.save_pretrained(output)
+        publish(output, destination, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _is_weights_or_config(name: str) -> bool:
+    """The files `save_pretrained` writes anew: the config and the weights, sharded or not."""
+    return name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))
