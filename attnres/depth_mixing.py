@@ -87,7 +87,8 @@ class DepthQuery(nn.Module):
         query = as_float32(self.pseudo_query)
         if offset is not None:
             query = query + offset
-        return query if self.key_norm_weight is None else query * as_float32(self.key_norm_weight)
+        key_norm_weight = self.key_norm_weight  # read once: a parameter's lookup is a Python call
+        return query if key_norm_weight is None else query * as_float32(key_norm_weight)
 
 
 def gather_queries(steps: Sequence[DepthQuery]) -> tuple[torch.Tensor, ...] | None:
@@ -101,14 +102,12 @@ def gather_queries(steps: Sequence[DepthQuery]) -> tuple[torch.Tensor, ...] | No
 
 
 def holds_full_values(step: DepthQuery) -> bool:
-    """Whether the step's parameters are whole (not a DTensor shard nor an empty placeholder). A plain `nn.Parameter`
-    is no DTensor, and skips the slower subclass check."""
-    parameters = (step.pseudo_query, step.key_norm_weight)
-    return all(
-        parameter is None
-        or (parameter.numel() > 0 and (type(parameter) is nn.Parameter or not isinstance(parameter, DTensor)))
-        for parameter in parameters
-    )
+    """Whether the step's parameters are whole (not a DTensor shard nor an empty placeholder), as its pseudo-query
+    tells: FSDP and ZeRO-3 shard and gather a module's own parameters together, so its key-norm gain is in the same
+    state (and not read again: every read of a parameter is a Python call, on every forward pass). A plain
+    `nn.Parameter` is no DTensor, and skips the slower subclass check."""
+    query = step.pseudo_query
+    return query.numel() > 0 and (type(query) is nn.Parameter or not isinstance(query, DTensor))
 
 
 class StandardResidual(DepthMixer):
@@ -222,7 +221,8 @@ class DepthAttention(DepthMixer):
         else:  # the output step, or no gathered queries: phase 1 for this step's own query
             (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, self.step_query(state).unsqueeze(0))
             lse = lse[0]
-        scale = (self.output_scale, self.output_scale_tensor)
+        # k and its buffer (`PendingInput`), read only where k is not 1: a buffer's lookup is a Python call per step.
+        scale = (self.output_scale, self.output_scale_tensor) if self.output_scale != 1 else ()
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
             return PendingInput(block_input, kernels.phase1_rms_norm, (row, state.blocks[0].dtype), *scale)
         args = (row, lse, state.partial, self.step_query(state), self.eps)

@@ -159,7 +159,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple:
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
-        hidden_states = self.attn_residual(state, depth_context)
+        # Each mixer is looked up once (a submodule lookup is `nn.Module.__getattr__`, a Python call per read).
+        attn_residual, mlp_residual = self.attn_residual, self.mlp_residual
+        hidden_states = attn_residual(state, depth_context)
         if depth_context.record_inputs:
             self.recorded_input(hidden_states)
         attn_output, _ = self.self_attn(
@@ -171,12 +173,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         attn_output = self.branch_output(self.attention_sublayer, attn_output)
-        state = self.attn_residual.absorb(attn_output, state, depth_context)
+        state = attn_residual.absorb(attn_output, state, depth_context)
 
-        hidden_states = self.mlp_residual(state, depth_context)
+        hidden_states = mlp_residual(state, depth_context)
         mlp_output = self.mlp(self.sublayer_input(self.mlp_sublayer, hidden_states))
         mlp_output = self.branch_output(self.mlp_sublayer, mlp_output)
-        state = self.mlp_residual.absorb(mlp_output, state, depth_context)
+        state = mlp_residual.absorb(mlp_output, state, depth_context)
         if depth_layout is None:
             return state
         tensors, layout = flatten_state(state)
