@@ -277,8 +277,8 @@ def test_forward_traces_into_one_graph(residual_mode, training):
 
 
 def test_depth_queries_are_read_through_hooked_or_wrapped_modules():
-    """The model folds every step's query from the parameters directly when no call would run anything but
-    `DepthQuery.forward`; a hooked (accelerate, torch) or replaced step is called instead. Both give the same queries."""
+    """The model reads every step's folded query by calling its `DepthQuery`, so a hook (accelerate's offloading,
+    torch's) runs and what it returns is what the model uses; unhooked, the same queries."""
     model = AttnResForCausalLM(tiny_config(residual_mode="block", block_size=3))
     randomize_depth_parameters(model)
     direct = model.model.depth_queries()
