@@ -228,6 +228,24 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "router_logits": OutputRecorder(None, index=0, class_name="mlp.gate"),
     }
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Transformers' own pipeline parallelism (`distributed_config` with `pp_size > 1`) hands one hidden-states
+        tensor from stage to stage, where an AttnRes boundary carries the depth state: refused in one line, pointing
+        to the pipeline on PyTorch's engine that carries it (docs/training.md, "Pipeline parallel")."""
+        distributed_config = kwargs.get("distributed_config")
+        pp_size = (
+            distributed_config.get("pp_size")
+            if isinstance(distributed_config, dict)
+            else getattr(distributed_config, "pp_size", None)
+        )
+        if pp_size is not None and pp_size > 1:
+            raise ValueError(
+                f"distributed_config pp_size={pp_size}: Transformers' pipeline stages pass one hidden-states tensor, "
+                "an AttnRes stage boundary the depth state; split the model with attnres.training.pipeline instead"
+            )
+        return super().from_pretrained(*args, **kwargs)
+
     # The attention implementations the family's attention supports (Gemma 2's soft-capping has no SDPA), which
     # Transformers reads from the model when it picks one.
     @property

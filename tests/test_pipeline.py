@@ -101,6 +101,19 @@ def test_schedule_refuses_unknown_names_and_stage_counts(name, stages, message):
         pipeline_schedule(name, stages, microbatches=2, loss=None)
 
 
+@pytest.mark.parametrize("distributed_config", [{"pp_size": 2}, "DistributedConfig"])
+def test_transformers_own_pipeline_parallelism_is_refused_in_one_line(tmp_path, distributed_config):
+    """Transformers' `pp_size` would split the layers and pass one tensor between them: refused before any process
+    group or mesh is set up, naming what to use instead."""
+    if distributed_config == "DistributedConfig":
+        from transformers.distributed import DistributedConfig
+
+        distributed_config = DistributedConfig(pp_size=2)
+    AttnResForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^distributed_config pp_size=2: .*attnres\.training\.pipeline"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, distributed_config=distributed_config)
+
+
 @pytest.mark.parametrize("case", list(FAMILY_CASES))
 @pytest.mark.parametrize("cached", [False, True], ids=["naive", "cached"])
 def test_every_family_splits_into_stages_that_compute_the_model(case, cached):
