@@ -96,6 +96,11 @@ SHAPES = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
         num_local_experts=4, num_experts_per_tok=2,
     ),
+    # SmolLM2-135M's shape as Qwen3 (q/k RMSNorms in every attention, head_dim 64 as SmolLM2's).
+    "smollm2-135m-qwen3": dict(
+        family="qwen3", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
     # The small shape as Qwen3: q/k RMSNorms in every attention.
     "small-qwen3": dict(
         family="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
