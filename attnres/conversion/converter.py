@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,8 +176,7 @@ def convert(
             attnres_config(preflight, mode=mode, block_size=block_size, exact_retrofit=exact_retrofit)
     destination.parent.mkdir(parents=True, exist_ok=True)
 
-    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
-    try:
+    with work_folder(destination) as work:
         staging, output = work / "source", work / "converted"
         staging.mkdir()
         output.mkdir()
@@ -239,8 +239,6 @@ def convert(
         publish(output, destination, work)
         report.seconds = time.perf_counter() - started
         return report
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def write_weights(
@@ -373,6 +371,17 @@ def _as_dtype(name: str, dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ConversionError(f"{name}={dtype!r}: must be a floating-point torch dtype, e.g. 'bfloat16' or 'float32'")
     return resolved
+
+
+@contextlib.contextmanager
+def work_folder(destination: Path) -> Iterator[Path]:
+    """A temporary folder beside `destination`, on its filesystem so that `publish` can rename into place what is
+    written there; removed afterwards, whatever happened."""
+    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def publish(output: Path, destination: Path, work: Path) -> None:

@@ -7,8 +7,6 @@ destination whole or not at all.
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ from ..configuration_attnres import AttnResConfig
 from ..inputs import check_destination, check_model_source
 from ..modeling_attnres import AttnResForCausalLM
 from .architectures import ConversionError
-from .converter import publish
+from .converter import publish, work_folder
 from .fla import (
     FLA_ARCHITECTURE,
     check_fla_exportable,
@@ -117,8 +115,7 @@ def export(
     check_fla_exportable(config, drop_exact_retrofit)
     destination.parent.mkdir(parents=True, exist_ok=True)
 
-    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
-    try:
+    with work_folder(destination) as work:
         (work / "source").mkdir()
         resolved = resolve_source(located, staging=work / "source", description=str(model), revision=revision)
         source = AttnResForCausalLM.from_pretrained(resolved.folder).eval()
@@ -174,8 +171,6 @@ def export(
         publish(output, destination, work)
         report.seconds = time.perf_counter() - started
         return report
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _without_retrofit(model: AttnResForCausalLM) -> tuple[AttnResForCausalLM, float]:

@@ -8,7 +8,6 @@ starting point improve; `plot_depth_attention` shows which sources each sublayer
 
 import math
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -219,16 +218,13 @@ def save_retrofitted(model: nn.Module, converted: Path, destination: Path) -> No
 
     Written beside `destination` and renamed into place, so `destination` is never half-written.
     """
-    from ..conversion.converter import publish
+    from ..conversion.converter import publish, work_folder
 
-    work = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".attnres-partial", dir=destination.parent))
-    try:
+    with work_folder(destination) as work:
         output = work / "retrofitted"
         shutil.copytree(converted, output, ignore=lambda _, names: [n for n in names if _is_weights_or_config(n)])
         model.save_pretrained(output)
         publish(output, destination, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _is_weights_or_config(name: str) -> bool:
