@@ -34,8 +34,6 @@ DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_OUTPUT = Path("attnres-demo")
 EXIT_VERIFICATION_FAILED = 1
 EXIT_INVALID = 2
-# The files Transformers builds a tokenizer from; a checkpoint with none of them has no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # The API's names for what every command calls the same (`name=value` in its messages), then each command's own.
 API_NAMES = {
     "block_size": "--block-size",
@@ -359,6 +357,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     _inputs().check_model_source("source", model, gguf_file=args.gguf_file, revision=args.revision)
 
     from attnres.conversion import VerificationError, convert
+    from attnres.conversion.verify import has_tokenizer
 
     if args.retrofit_steps > 0:
         from attnres.training import shakespeare_plays
@@ -386,7 +385,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     print()
     print(_side_by_side(report.verification.generations))
     written = [(destination, "the exact conversion: zero pseudo-queries, uniform depth attention, the original's outputs")]
-    if args.retrofit_steps > 0 and not any((destination / name).is_file() for name in TOKENIZER_FILES):
+    if args.retrofit_steps > 0 and not has_tokenizer(destination):
         print("\nThe model has no tokenizer, so the retrofit step, which trains on text, is skipped.")
     elif args.retrofit_steps > 0:
         from attnres.training import demo_retrofit

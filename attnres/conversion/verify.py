@@ -170,6 +170,7 @@ class _Outputs:
 
 
 def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `folder` holds a file Transformers builds a tokenizer from."""
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
