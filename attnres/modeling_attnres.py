@@ -34,6 +34,11 @@ from .families import FAMILIES, Family, Sublayer, layer_types
 from .transformers_compat import CACHE_NAME, accepts_past_key_values, output_cache, output_with_cache
 
 
+# The attribute of a KV cache that holds the depth queries of the forward pass that started it
+# (`AttnResModel.depth_queries`).
+CACHED_QUERIES = "attnres_depth_queries"
+
+
 class AttnResRMSNorm(LlamaRMSNorm):
     """Llama's RMSNorm (in fp32, cast back, then the gain), which Transformers copies into most families: the
     pre-norms and the final norm of those families (`Family.llama_norm`).
@@ -362,7 +367,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].attn_residual
-        depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(), record_inputs)
+        depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(cache), record_inputs)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 depth_state,
@@ -387,7 +392,7 @@ class AttnResModel(AttnResPreTrainedModel):
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)
 
-    def depth_queries(self) -> tuple[torch.Tensor, ...] | None:
+    def depth_queries(self, cache: Cache | None = None) -> tuple[torch.Tensor, ...] | None:
         """Every step's folded pseudo-query `[D]` in sublayer order (the output step last), so that
         phase 1 runs once per block for all of its queries (docs/design.md §6). Read through each step's `DepthQuery`
         module, so offloading hooks and PEFT wrappers see the call.
@@ -395,11 +400,21 @@ class AttnResModel(AttnResPreTrainedModel):
         `None` when the model runs no two-phase depth attention (standard mode, the comparison residuals, the AttnRes
         ablations), and when the queries cannot be read before their own layers run (parameters sharded by FSDP or
         DeepSpeed ZeRO-3): each step then runs phase 1 for its own query (same result, more passes over the blocks).
+
+        A KV cache keeps the queries read by the forward pass that started it, as it keeps that pass's keys and
+        values, and the passes that continue it without autograd reuse them: reading 2L + 1 modules costs more per
+        decoded token than the depth attention itself (docs/design.md §6, "Decoding").
         """
         if not self.output_residual.two_phase:
             return None
+        kept = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if kept and cache.get_seq_length() > 0 and getattr(cache, CACHED_QUERIES, None) is not None:
+            return getattr(cache, CACHED_QUERIES)
         mixers = [mixer for layer in self.layers for mixer in (layer.attn_residual, layer.mlp_residual)]
-        return gather_queries([mixer.query for mixer in (*mixers, self.output_residual)])
+        queries = gather_queries([mixer.query for mixer in (*mixers, self.output_residual)])
+        if kept:
+            setattr(cache, CACHED_QUERIES, queries)
+        return queries
 
     @torch.no_grad()
     def depth_attention_weights(self, input_ids: torch.LongTensor, **kwargs) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -295,6 +296,51 @@ def test_depth_queries_are_read_through_hooked_or_wrapped_modules():
     handle = step.register_forward_hook(lambda module, args, output: output * 2)
     try:
         assert torch.equal(model.model.depth_queries()[3], 2 * direct[3])
+    finally:
+        handle.remove()
+
+
+def test_a_kv_cache_keeps_the_depth_queries_of_the_pass_that_started_it():
+    """Decoding reads the queries once per KV cache: the pass that starts a cache reads every `DepthQuery`, the passes
+    that continue it without autograd read none and compute what reading them would. A cache that starts again
+    (reset, as `generate` resets a static cache it reuses) reads them anew, so it sees changed parameters; with
+    autograd every pass reads them."""
+    model = AttnResForCausalLM(tiny_config(residual_mode="block", block_size=3)).eval()
+    randomize_depth_parameters(model)
+    ids = input_batch(model.config, batch=1)
+    step = model.model.layers[1].mlp_residual.query
+    calls = []
+    handle = step.register_forward_hook(lambda module, args, output: calls.append(output))
+
+    def decode(cache, steps: int = 3) -> torch.Tensor:
+        """The greedy continuation of `ids`, `steps` tokens decoded through `cache`, and the logits of each."""
+        tokens, logits = ids, []
+        for _ in range(steps + 1):
+            positions = torch.arange(ids.shape[1] + len(logits) - tokens.shape[1], ids.shape[1] + len(logits))
+            logits.append(model(tokens, cache=cache, use_cache=True, position_ids=positions[None]).logits[:, -1])
+            tokens = logits[-1].argmax(-1, keepdim=True)
+        return torch.stack(logits, dim=1)
+
+    def uncached(logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the same tokens in one pass without a cache."""
+        sequence = torch.cat([ids, logits[:, :-1].argmax(-1)], dim=1)
+        return model(sequence, use_cache=False).logits[:, ids.shape[1] - 1 :]
+
+    try:
+        with torch.no_grad():
+            cache = StaticCache(model.config, max_cache_len=32)
+            logits = decode(cache)
+            assert len(calls) == 1
+            assert max_diff(logits, uncached(logits)) <= 1e-5
+            randomize_depth_parameters(model, seed=1)
+            calls.clear()
+            cache.reset()
+            changed = decode(cache)
+            assert len(calls) == 1
+            assert max_diff(changed, uncached(changed)) <= 1e-5 and max_diff(changed, logits) > 1e-3
+        calls.clear()
+        decode(DynamicCache(config=model.config), steps=2)
+        assert len(calls) == 3
     finally:
         handle.remove()
 
