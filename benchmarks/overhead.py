@@ -16,6 +16,14 @@ the drift between the two samples, and a ratio of whole-run medians all of it. I
 warm-up: a slow first sample of every model is absorbed by the median. Under `--compile` every model is compiled
 alike (`torch.compile(model)`) and compiled before timing.
 
+Why instances: a model's process has a speed of its own, which holds for the whole run. At the small shape, standard
+mode, which runs exactly Llama's aten ops, measured 1.002x, 1.047x and 1.017x for prefill in three runs, each within
+±0.005 of its own median; two identical models in one process differed by 5% in the time their matrix products took.
+Where the model's memory lands, which no two processes share, is the likely cause (the small shape's weights and KV
+cache just exceed the 32 MiB L3 cache of the committed runs' machine). `--instances N` builds every model N times,
+each time in new processes, and shares the seconds among them: the ratios pool the instances, and each instance's own
+median ratio is recorded (`*_ratio_instances`), whose spread is the uncertainty that one run cannot show.
+
 Why a process per model: a user's process runs one model, and models that share a process share glibc's heap. The
 models' allocations interleave in it, and when a free leaves more than glibc's trim threshold at the top of the heap,
 glibc hands those pages back to the system, so that the next model touches them afresh. At the SmolLM2 shape, Block
@@ -43,6 +51,8 @@ Usage:
         --output benchmarks/results/overhead_compile.json    # eager and torch.compile; compiling dominates
                                                    # (up to a few minutes per model and workload on 2 cores)
     python -m benchmarks.overhead --shapes small --repeats 3   # quick look
+    python -m benchmarks.overhead --shapes small small-qwen3 --workloads prefill decode --no-memory --seconds 240 \
+        --instances 6 --output benchmarks/results/overhead_families_instances.json   # 6 sets of processes (20 min)
     python -m benchmarks.overhead --shapes small small-moe --no-memory --seconds 120 --train-seconds 900 \
         --output benchmarks/results/overhead_long.json     # the small shapes to a few tenths of a percent (40 min)
     python -m benchmarks.overhead --shapes smollm2-135m --workloads prefill --no-memory --seconds 600 \
@@ -446,9 +456,15 @@ def main() -> None:
     parser.add_argument("--train-seconds", type=float, default=50, help="keep running training steps this long")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--compile", action="store_true", help="also measure with torch.compile")
+    parser.add_argument(
+        "--instances", type=int, default=1,
+        help="build every model this many times, each time in new processes, sharing the seconds among them",
+    )
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
     args = parser.parse_args()
+    if args.instances < 1:
+        parser.error(f"argument --instances: {args.instances} is not a positive number of instances")
     torch.set_num_threads(torch.get_num_threads())
     # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), before
     # the models' processes load them.
@@ -463,11 +479,20 @@ def main() -> None:
         for execution in ["eager"] + (["compile"] if args.compile else []):
             print(f"{shape}, {execution}:", file=sys.stderr)
             compile_models = execution == "compile"
-            with model_processes(shape, torch.get_num_threads(), compile_models) as processes:
-                times = measure_times(shape, processes, args.repeats, seconds, compile_models, args.workloads)
+            # Each instance builds every model afresh in new processes and gets an equal share of the time.
+            instance_seconds = {workload: budget / args.instances for workload, budget in seconds.items()}
+            instances = []
+            for instance in range(args.instances):
+                if args.instances > 1:
+                    print(f" instance {instance + 1} of {args.instances}:", file=sys.stderr)
+                with model_processes(shape, torch.get_num_threads(), compile_models) as processes:
+                    instances.append(
+                        measure_times(shape, processes, args.repeats, instance_seconds, compile_models, args.workloads)
+                    )
             for name in model_names(shape):
                 row = {"shape": shape, "mode": execution, "model": name}
-                for workload, sequences in times.items():
+                for workload in args.workloads:
+                    sequences = [sequence for times in instances for sequence in times[workload]]
                     samples = [time_ for sequence in sequences for model, time_ in sequence if model == name]
                     ratios = [ratio for sequence in sequences for ratio in flanked_ratios(sequence, name, baseline)]
                     row[f"{workload}_s"] = statistics.median(samples)
@@ -476,6 +501,13 @@ def main() -> None:
                     quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
                     row[f"{workload}_ratio_quartiles"] = [quartiles[0], quartiles[2]]
                     row[f"{workload}_samples"] = len(samples)
+                    # Each instance's own median ratio: how far one set of processes can be from another.
+                    row[f"{workload}_ratio_instances"] = [
+                        statistics.median(
+                            ratio for sequence in times[workload] for ratio in flanked_ratios(sequence, name, baseline)
+                        )
+                        for times in instances
+                    ]
                 for key, mib in memory.get(name, {}).items():
                     row[key] = mib
                     row[key.replace("_mib", "_ratio")] = mib / memory[baseline][key]
@@ -501,7 +533,8 @@ def main() -> None:
         "depth_kernels": kernels_module,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "seconds": seconds, "rows": rows}, indent=2))
+    settings = {"repeats": args.repeats, "seconds": seconds, "instances": args.instances}
+    args.output.write_text(json.dumps({"machine": machine, **settings, "rows": rows}, indent=2))
     print(f"\nwrote {args.output}")
 
 

@@ -96,16 +96,21 @@ def test_each_model_runs_and_times_its_samples_in_a_process_of_its_own():
 
 def test_benchmark_runs_the_workloads_asked_for(tmp_path):
     """`--workloads prefill` times prefills only: the JSON rows hold prefill ratios and no other workload's, and the
-    table shows the others as `-`. The baseline runs right before each AttnRes model: as many samples as they have."""
+    table shows the others as `-`. The baseline runs right before each AttnRes model: as many samples as they have.
+    `--instances 2` times two sets of processes, each building every model afresh: the samples of both, and each
+    set's own median ratio."""
     output = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "prefill"]
-    command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--output", str(output)]
+    command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--instances", "2", "--output", str(output)]
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads(output.read_text())["rows"]
+    results = json.loads(output.read_text())
+    rows = results["rows"]
+    assert results["instances"] == 2 and result.stderr.count("instance ") == 2
     assert [row["model"] for row in rows] == ["llama", "standard", "block", "full"]
     for row in rows:
-        assert row["prefill_samples"] == (3 if row["model"] == "llama" else 1)
+        assert row["prefill_samples"] == (6 if row["model"] == "llama" else 2)
+        assert len(row["prefill_ratio_instances"]) == 2
         assert row["prefill_s"] > 0 and not any(key.startswith(("decode", "train")) for key in row)
     assert "| small | eager | block | " in result.stdout and result.stdout.count(" | - | - | - | - |") == 4
