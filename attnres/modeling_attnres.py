@@ -403,11 +403,12 @@ class AttnResModel(AttnResPreTrainedModel):
 
         A KV cache keeps the queries read by the forward pass that started it, as it keeps that pass's keys and
         values, and the passes that continue it without autograd reuse them: reading 2L + 1 modules costs more per
-        decoded token than the depth attention itself (docs/design.md §6, "Decoding").
+        decoded token than the depth attention itself (docs/design.md §6, "Decoding"). Only a `Cache` holds one
+        sequence's history: continuous batching's paged cache, which serves many, is read through every pass.
         """
         if not self.output_residual.two_phase:
             return None
-        kept = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        kept = isinstance(cache, Cache) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         if kept and cache.get_seq_length() > 0 and getattr(cache, CACHED_QUERIES, None) is not None:
             return getattr(cache, CACHED_QUERIES)
         mixers = [mixer for layer in self.layers for mixer in (layer.attn_residual, layer.mlp_residual)]
