@@ -409,8 +409,9 @@ class AttnResModel(AttnResPreTrainedModel):
         if not self.output_residual.two_phase:
             return None
         kept = isinstance(cache, Cache) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if kept and cache.get_seq_length() > 0 and getattr(cache, CACHED_QUERIES, None) is not None:
-            return getattr(cache, CACHED_QUERIES)
+        queries = getattr(cache, CACHED_QUERIES, None) if kept else None
+        if queries is not None and cache.get_seq_length() > 0:
+            return queries
         mixers = [mixer for layer in self.layers for mixer in (layer.attn_residual, layer.mlp_residual)]
         queries = gather_queries([mixer.query for mixer in (*mixers, self.output_residual)])
         if kept:

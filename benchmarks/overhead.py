@@ -494,7 +494,11 @@ def main() -> None:
                 for workload in args.workloads:
                     sequences = [sequence for times in instances for sequence in times[workload]]
                     samples = [time_ for sequence in sequences for model, time_ in sequence if model == name]
-                    ratios = [ratio for sequence in sequences for ratio in flanked_ratios(sequence, name, baseline)]
+                    instance_ratios = [
+                        [ratio for sequence in times[workload] for ratio in flanked_ratios(sequence, name, baseline)]
+                        for times in instances
+                    ]
+                    ratios = [ratio for ratios_of_instance in instance_ratios for ratio in ratios_of_instance]
                     row[f"{workload}_s"] = statistics.median(samples)
                     row[f"{workload}_ratio"] = statistics.median(ratios)
                     # The spread of the ratios (their quartiles): how far one sample's ratio can be from the median.
@@ -502,12 +506,7 @@ def main() -> None:
                     row[f"{workload}_ratio_quartiles"] = [quartiles[0], quartiles[2]]
                     row[f"{workload}_samples"] = len(samples)
                     # Each instance's own median ratio: how far one set of processes can be from another.
-                    row[f"{workload}_ratio_instances"] = [
-                        statistics.median(
-                            ratio for sequence in times[workload] for ratio in flanked_ratios(sequence, name, baseline)
-                        )
-                        for times in instances
-                    ]
+                    row[f"{workload}_ratio_instances"] = list(map(statistics.median, instance_ratios))
                 for key, mib in memory.get(name, {}).items():
                     row[key] = mib
                     row[key.replace("_mib", "_ratio")] = mib / memory[baseline][key]
