@@ -12,7 +12,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .depth_mixing import DepthAttention, DepthQuery, num_depth_sources
-from .depth_state import DepthContext, DepthState
+from .depth_state import DepthContext, DepthState, full_precision
 from .two_phase import inverse_rms
 
 
@@ -33,6 +33,7 @@ class DepthAttentionAblation(DepthAttention):
     def normalize(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.softmax(logits, dim=0)
 
+    @full_precision
     def forward(self, state: DepthState, context: DepthContext) -> torch.Tensor:
         sources, inv_rms = self.sources(state)
         weights = self.normalize(self.logits(sources, inv_rms))

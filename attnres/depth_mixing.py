@@ -21,7 +21,7 @@ from torch import nn
 from .depth_state import DepthContext, DepthMixer, DepthState, ResidualStream
 from .kernel_dispatch import DepthKernels, depth_kernels
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
-from .two_phase import as_float32, block_input, inverse_rms, phase2
+from .two_phase import as_float32, block_input, cast, inverse_rms
 
 
 try:
@@ -182,10 +182,10 @@ class DepthAttention(DepthMixer):
         """b_0 = the embedding; with gathered queries, phase 1 for the first block (this step's)."""
         kernels = self.kernels(inputs_embeds.device)
         context = DepthContext(kernels, record_inputs)
-        if queries is None:
-            blocks_inv_rms = inverse_rms(inputs_embeds, self.eps).unsqueeze(0)
-            return DepthState(blocks=(inputs_embeds,), blocks_inv_rms=blocks_inv_rms), context
         no_blocks_inv_rms = inputs_embeds.new_empty((0, *inputs_embeds.shape[:-1]), dtype=torch.float32)
+        if queries is None:
+            blocks_inv_rms = kernels.append_inverse_rms(no_blocks_inv_rms, inputs_embeds, self.eps)
+            return DepthState(blocks=(inputs_embeds,), blocks_inv_rms=blocks_inv_rms), context
         first_block = torch.stack(queries[self.block])
         blocks_inv_rms, rows, lse = kernels.close_block((inputs_embeds,), no_blocks_inv_rms, first_block, self.eps)
         state = DepthState((inputs_embeds,), blocks_inv_rms, queries=queries, phase1_rows=rows, lse=lse)
@@ -226,13 +226,15 @@ class DepthAttention(DepthMixer):
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
             return PendingInput(block_input, kernels.phase1_rms_norm, (row, state.blocks[0].dtype), *scale)
         args = (row, lse, state.partial, self.step_query(state), self.eps)
-        return PendingInput(phase2, kernels.phase2_rms_norm, args, *scale)
+        return PendingInput(kernels.phase2, kernels.phase2_rms_norm, args, *scale)
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:
         kernels = context.kernels
         partial = state.partial
         if partial is None:
-            partial = output
+            # Sums over depth are kept in the dtype of the embedding, b_0, as the family's residual stream is: under
+            # autocast a sublayer's output arrives in bf16 / fp16 and the stream stays fp32 (docs/design.md §6).
+            partial = cast(output, state.blocks[0].dtype)
         elif self.block_offset >= 2 and not kernels.differentiable and partial.dtype == output.dtype:
             # Fast path: from a block's third step on the partial sum is a tensor of the model's own (the first is
             # the sublayer's output, the second their sum), so where autograd records nothing it is updated in place

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .kernel_dispatch import DepthKernels
+from .kernel_dispatch import DepthKernels, autocast_off
 from .transformers_compat import slice_logits_to_keep
 
 
@@ -105,6 +105,30 @@ def flatten_state(state: NamedTuple) -> tuple[tuple, StateLayout]:
             values.append(field)
             lengths.append(None)
     return tuple(values), StateLayout(type(state), tuple(lengths))
+
+
+def _device_type(values: tuple) -> str:
+    """The device type of the first tensor among `values`, looking one tuple deep (a state's fields)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, tuple) and value:
+            return _device_type(value)
+    raise TypeError("no tensor among a depth mixer's arguments")
+
+
+def full_precision(method):
+    """A mixer's `forward` or `absorb` that computes its coefficients in fp32, run with autocast off (docs/design.md
+    §6, "Mixed precision"): under autocast its matrix products would otherwise run in bf16 / fp16. Depth attention's
+    two phases are exempted where they are chosen (`kernel_dispatch.without_autocast`); this is for the mixers that
+    compute their own (the comparison residuals, the ablations)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with autocast_off(_device_type(args)):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class DepthMixer(nn.Module):

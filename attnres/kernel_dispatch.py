@@ -10,6 +10,7 @@ the same function under any later version, or none (`PACKAGED`). In the package,
 inside `try`, only when chosen.
 """
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from .two_phase import phase2 as unfused_phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import padded_phase1
 from .two_phase_torch import phase1 as torch_phase1
@@ -36,6 +38,8 @@ class DepthKernels(NamedTuple):
     the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
     `(blocks_inv_rms, rows, lse)`; `lse` is indexed by row too (stacked, or a tuple).
 
+    `phase2` is phase 2 alone (`two_phase.phase2`), for a sublayer input that a norm other than the model's reads.
+
     `differentiable`: whether autograd records the forward pass they were chosen for; when it does not, a step may
     update its own tensors in place.
     """
@@ -46,6 +50,35 @@ class DepthKernels(NamedTuple):
     append_inverse_rms: Callable
     close_block: Callable
     differentiable: bool = True
+    phase2: Callable = unfused_phase2
+
+
+# The operations of `DepthKernels`.
+OPERATIONS = ("phase1", "phase1_rms_norm", "phase2_rms_norm", "append_inverse_rms", "close_block", "phase2")
+
+
+def without_autocast(kernels: DepthKernels, device_type: str) -> DepthKernels:
+    """`kernels` with autocast off while each operation runs (docs/design.md §6, "Mixed precision"): under autocast
+    the depth logits would otherwise be matrix products in bf16 / fp16, and their operands would arrive in dtypes
+    the kernels do not mix. The operations keep the fp32 math of the reference and return the stream's dtype, which
+    the sublayers after them read under autocast like the family's own residual stream."""
+
+    def exempt(operation: Callable) -> Callable:
+        @functools.wraps(operation)
+        def run(*args, **kwargs):
+            with torch.autocast(device_type, enabled=False):
+                return operation(*args, **kwargs)
+
+        return run
+
+    return kernels._replace(**{name: exempt(getattr(kernels, name)) for name in OPERATIONS})
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast off on `device_type` if it is on there (nothing to enter otherwise)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def composed(
@@ -140,15 +173,19 @@ def depth_kernels(
     wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, with
     phase 1 in a nested compile region (`compiled_torch_kernels`, for a state of `num_blocks` blocks whose inverse
     RMS takes `eps`, and blocks of up to `num_queries` steps).
+
+    Under autocast on `device`, every operation runs with it off (`without_autocast`).
     """
     override = os.environ.get("ATTNRES_DEPTH_KERNEL", "auto")
     if override not in SETTINGS:
         raise ValueError(f"ATTNRES_DEPTH_KERNEL={override!r} is invalid: allowed values are {', '.join(SETTINGS)}")
     setting = "reference" if depth_kernel == "reference" else override
+    autocast = torch.is_autocast_enabled(device.type)
     if torch.compiler.is_compiling():  # dynamo does not trace into the cache; the choice is traced instead
         compiled = compiled_torch_kernels(device, num_blocks, num_queries, eps)
-        return _choose(device.type, setting, differentiable, compiled)
-    return _remembered(device.type, setting, differentiable)
+        kernels = _choose(device.type, setting, differentiable, compiled)
+        return without_autocast(kernels, device.type) if autocast else kernels
+    return _remembered(device.type, setting, differentiable, autocast)
 
 
 def _choose(
@@ -192,6 +229,9 @@ def _choose(
     return kernels._replace(differentiable=differentiable)
 
 
-# Decoding one token calls for a choice on every forward pass; importing and checking again would cost more than
-# phase 2 on a CPU.
-_remembered = functools.cache(_choose)
+@functools.cache
+def _remembered(device_type: str, setting: str, differentiable: bool, autocast: bool) -> DepthKernels:
+    """`_choose`, once per combination: decoding one token calls for a choice on every forward pass, and importing
+    and checking again would cost more than phase 2 on a CPU."""
+    kernels = _choose(device_type, setting, differentiable)
+    return without_autocast(kernels, device_type) if autocast else kernels

@@ -10,8 +10,8 @@ none of them reads the context. The states:
 - Hyper-Connections (Zhu et al., arXiv:2409.19606) and mHC (Xie et al., arXiv:2512.24880): `HyperStreams`; the
   embedding starts in every stream.
 
-HC and mHC compute their coefficients and mix the streams in fp32 whatever the model dtype (DenseFormer's scalar
-averages run in the model dtype). This file is copied flat into remote-code checkpoints, so it imports nothing from
+HC and mHC compute their coefficients and mix the streams in fp32 whatever the model dtype, and with autocast off
+(`full_precision`); DenseFormer's scalar averages run in the stream's dtype, also with autocast off. This file is copied flat into remote-code checkpoints, so it imports nothing from
 the `attnres` package.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .depth_state import DepthContext, DepthMixer
+from .depth_state import DepthContext, DepthMixer, full_precision
 from .transformers_compat import slice_logits_to_keep
 from .two_phase import inverse_rms
 
@@ -85,6 +85,7 @@ class DepthWeightedAverage(DepthMixer):
     def forward(self, state: DenseFormerState, context: DepthContext | None = None) -> torch.Tensor:
         return state.stream
 
+    @full_precision
     def absorb(
         self, output: torch.Tensor, state: DenseFormerState, context: DepthContext | None = None
     ) -> DenseFormerState:
@@ -155,12 +156,14 @@ class HyperConnection(DepthMixer):
     def initial_state(self, inputs_embeds: torch.Tensor, queries: None, record_inputs: bool):
         return _initial_streams(inputs_embeds, self.static_input.shape[0], record_inputs)
 
+    @full_precision
     def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
         streams = state.streams
         dynamic = torch.tanh(self._normalized(streams) @ self.dynamic_input.float())  # [n, *tokens]
         weights = _per_stream(self.static_input, dynamic) + self.input_scale.float() * dynamic
         return _mix_streams(weights, streams).to(streams.dtype)
 
+    @full_precision
     def absorb(self, output: torch.Tensor, state: HyperStreams, context: DepthContext | None = None) -> HyperStreams:
         streams = state.streams
         normalized = self._normalized(streams)
@@ -287,10 +290,12 @@ class ManifoldHyperConnection(DepthMixer):
     def initial_state(self, inputs_embeds: torch.Tensor, queries: None, record_inputs: bool):
         return _initial_streams(inputs_embeds, self.input_bias.shape[0], record_inputs)
 
+    @full_precision
     def forward(self, state: HyperStreams, context: DepthContext | None = None) -> torch.Tensor:
         streams = state.streams
         return _mix_streams(self.input_weights(streams).movedim(-1, 0), streams).to(streams.dtype)
 
+    @full_precision
     def absorb(self, output: torch.Tensor, state: HyperStreams, context: DepthContext | None = None) -> HyperStreams:
         streams = state.streams
         post, residual = self.output_and_residual_weights(streams)

@@ -48,14 +48,15 @@ def tiny_config(**overrides) -> AttnResConfig:
 
 
 def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give every pseudo-query and key-norm gain a random non-zero value, as after training."""
+    """Give every pseudo-query and key-norm gain a random non-zero value, as after training: the same values on any
+    device (drawn on the CPU, whatever device new tensors default to)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("pseudo_query"):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, device="cpu"))
             elif name.endswith("key_norm_weight"):
-                parameter.copy_(1.0 + 0.5 * torch.randn(parameter.shape, generator=generator))
+                parameter.copy_(1.0 + 0.5 * torch.randn(parameter.shape, generator=generator, device="cpu"))
 
 
 @pytest.fixture(scope="session")
