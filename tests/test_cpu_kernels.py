@@ -24,6 +24,7 @@ from kernel_cases import (
     assert_matches,
     fused_phase2,
     logits_and_grads,
+    phase1_gradient_scales,
     phase1_inputs,
     phase2_inputs,
     run_with_grads,
@@ -60,9 +61,11 @@ def test_phase1_matches_reference(shape, dtype):
     assert obar.dtype == lse.dtype == torch.float32
     assert_matches(obar, ref_obar)
     assert_matches(lse, ref_lse)
-    for x, grad, ref_grad in zip(inputs, kernel_grads, (*ref_grads, *ref_grad_blocks), strict=True):
+    scale_blocks, scale_inv_rms, scale_queries = phase1_gradient_scales(stacked, blocks_inv_rms, queries, grads[0])
+    scales = (scale_inv_rms, scale_queries, *[scale_blocks] * len(ref_grad_blocks))
+    for x, grad, ref_grad, scale in zip(inputs, kernel_grads, (*ref_grads, *ref_grad_blocks), scales, strict=True):
         assert grad.dtype == x.dtype
-        assert_matches(grad, ref_grad)
+        assert_matches(grad, ref_grad, scale)
     with torch.no_grad():  # inference takes the forward kernel alone, which computes the same
         no_grad_obar, no_grad_lse = separate_blocks_phase1(*inputs)
     assert torch.equal(no_grad_obar, obar) and torch.equal(no_grad_lse, lse)

@@ -40,8 +40,10 @@ from kernel_cases import (
     NORM_EPS,
     PHASE1_SHAPES,
     assert_matches,
+    depth_operations,
     fused_phase2,
     logits_and_grads,
+    phase1_gradient_scales,
     phase1_inputs,
     phase2_inputs,
     run_with_grads,
@@ -75,9 +77,10 @@ class TestKernels:
         assert obar.dtype == lse.dtype == torch.float32
         assert_matches(obar, ref_obar)
         assert_matches(lse, ref_lse)
-        for x, grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
+        scales = phase1_gradient_scales(*inputs, grads[0])
+        for x, grad, ref_grad, scale in zip(inputs, kernel_grads, ref_grads, scales, strict=True):
             assert grad.dtype == x.dtype
-            assert_matches(grad, ref_grad)
+            assert_matches(grad, ref_grad, scale)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100)], ids=str)
@@ -168,6 +171,23 @@ class TestKernels:
         for hidden, ref_hidden in zip(recorded.hidden_states, ref_recorded.hidden_states, strict=True):
             assert isinstance(hidden, torch.Tensor)
             assert_matches(hidden, ref_hidden)
+
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+    def test_autocast_changes_no_bit_of_the_kernels(self, dtype, monkeypatch):
+        """The kernels' values and gradients on an fp32 stream are bit-identical with and without autocast
+        (test_mixed_precision.py tests the other implementations alike), and a model on them trains under it."""
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
+        (outputs, grads), (expected_outputs, expected_grads) = depth_operations(DEVICE, dtype), depth_operations(DEVICE)
+        for actual, expected in zip([*outputs, *grads], [*expected_outputs, *expected_grads], strict=True):
+            assert torch.equal(actual, expected)
+        model = AttnResForCausalLM(tiny_config())
+        randomize_depth_parameters(model)
+        ids = torch.randint(3, model.config.vocab_size, (2, 5))
+        with torch.autocast(DEVICE, dtype=dtype):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_kernels_under_interpreter():

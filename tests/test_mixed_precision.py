@@ -21,10 +21,10 @@ from transformers import Trainer, TrainingArguments
 
 from attnres import AttnResForCausalLM
 from attnres.conversion.architectures import attnres_config
-from attnres.kernel_dispatch import depth_kernels
 
 from conftest import enable_activation_checkpointing, randomize_depth_parameters, tiny_config
 from family_cases import prompt_ids, source_model
+from kernel_cases import depth_operations
 
 
 LOW_PRECISION = [torch.bfloat16, torch.float16]
@@ -113,34 +113,10 @@ def test_low_precision_weights_track_fp32_as_closely_as_the_familys_own_model(ca
 def test_depth_attention_computes_the_same_bits_under_autocast(setting, dtype, monkeypatch):
     """Every operation of the two phases, on an fp32 stream, gives bit-identical values and gradients with and
     without autocast: depth attention adds no rounding of its own (docs/design.md §6, "Mixed precision"). Without
-    `without_autocast` the logits would be matrix products in bf16 / fp16 and differ."""
+    `without_autocast` the logits would be matrix products in bf16 / fp16 and differ. The Triton kernels:
+    test_kernels.py."""
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", setting)
-    generator = torch.Generator().manual_seed(0)
-    blocks = [3 * torch.randn(2, 5, 48, generator=generator) for _ in range(3)]
-    partial = 3 * torch.randn(2, 5, 48, generator=generator)
-    queries = torch.randn(2, 48, generator=generator)
-    norm_weight = 1 + 0.5 * torch.randn(48, generator=generator)
-    leaves = [*blocks, partial, queries, norm_weight]
-
-    def run(autocast: bool):
-        inputs = [x.clone().requires_grad_() for x in leaves]
-        *blocks, partial, queries, norm_weight = inputs
-        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
-            kernels = depth_kernels(torch.device("cpu"))
-            no_blocks = partial.new_empty((0, 2, 5))
-            blocks_inv_rms = kernels.append_inverse_rms(no_blocks, blocks[0], 1e-6)
-            for block in blocks[1:]:
-                blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, block, 1e-6)
-            rows, lse = kernels.phase1(blocks, blocks_inv_rms, queries)
-            first = kernels.phase1_rms_norm(rows[0], partial.dtype, norm_weight, 1e-5)
-            merged = kernels.phase2_rms_norm(rows[1], lse[1], partial, queries[1], 1e-6, norm_weight, 1e-5)
-            unfused = kernels.phase2(rows[1], lse[1], partial, queries[1], 1e-6)
-        outputs = (first, merged, unfused)
-        assert all(output.dtype == torch.float32 for output in outputs)
-        sum(output.square().sum() for output in outputs).backward()
-        return outputs, [x.grad for x in inputs]
-
-    (outputs, grads), (expected_outputs, expected_grads) = run(True), run(False)
+    (outputs, grads), (expected_outputs, expected_grads) = (depth_operations("cpu", dtype), depth_operations("cpu"))
     for actual, expected in zip([*outputs, *grads], [*expected_outputs, *expected_grads], strict=True):
         assert torch.equal(actual, expected)
 
