@@ -32,7 +32,7 @@ measured 1.035x; with glibc told to keep 64 MiB at the top (`MALLOC_TOP_PAD_=671
 faults and measured 1.009x. Run alone, one prefill after another, Block takes no page faults after its second. Each
 model's process is set up alike (`build_with_baseline_weights`), so that glibc's thresholds start out the same.
 
-Workloads (fp32):
+Workloads (fp32 weights; in fp32, or under `--autocast bf16` / `fp16` in `torch.autocast`, as `Trainer(bf16=True)` trains):
 - prefill: one forward of a 512-token prompt, batch 1, logits of the last position only (what `generate` does);
 - decode: per-token time of 64 greedy steps with the KV cache after a 512-token prompt, interleaved token by token
   across the models in the same order (the baseline decodes one stream of its own before each AttnRes model's; eager:
@@ -59,6 +59,8 @@ Usage:
         --output benchmarks/results/overhead_smollm2_prefill.json  # SmolLM2's prefill to about a percent (11 min)
     python -m benchmarks.overhead --shapes smollm2-135m --workloads train --no-memory --train-seconds 1200 \
         --output benchmarks/results/overhead_smollm2_train.json    # SmolLM2's training step to a few percent (21 min)
+    python -m benchmarks.overhead --shapes small small-qwen3 --workloads train --autocast bf16 --train-seconds 240 \
+        --output benchmarks/results/overhead_autocast.json   # the training step under bf16 autocast
 
 Run from the repository root as a module (`python -m benchmarks.overhead`): run as a script, this folder would be
 first on `sys.path` and `benchmarks/kernels.py` would shadow the `kernels` package that Transformers probes for.
@@ -152,6 +154,17 @@ def build_with_baseline_weights(shape_name: str, name: str) -> torch.nn.Module:
     return model
 
 
+# `--autocast`: the workloads run under `torch.autocast` in this dtype, every model alike.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision(autocast: str | None) -> contextlib.AbstractContextManager:
+    """`torch.autocast` on the CPU in the `--autocast` dtype, or nothing (fp32)."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=AUTOCAST_DTYPES[autocast])
+
+
 def prefill(model, ids):
     with torch.inference_mode():
         model(ids, use_cache=False, logits_to_keep=1)
@@ -176,11 +189,12 @@ class ModelWorker:
 
     functions = {"prefill": prefill, "train": train_step}
 
-    def __init__(self, shape: str, name: str, threads: int, compile_model: bool):
+    def __init__(self, shape: str, name: str, threads: int, compile_model: bool, autocast: str | None):
         torch.set_num_threads(threads)
         depth_kernels(torch.device("cpu"))  # loads the fused CPU kernels now, not inside the first timed sample
         self.model = build_with_baseline_weights(shape, name)
         self.compile_model = compile_model
+        self.autocast = autocast
         self.runner = self.model
         self.streams: dict[str, tuple[DynamicCache | StaticCache, torch.Tensor]] = {}
 
@@ -194,11 +208,13 @@ class ModelWorker:
             torch._dynamo.reset()
             self.runner = torch.compile(self.model)
             if workload in self.functions:
-                self.functions[workload](self.runner, ids)
+                with precision(self.autocast):
+                    self.functions[workload](self.runner, ids)
 
     def time(self, workload: str, ids: torch.Tensor) -> float:
         """Seconds one prefill or training step on `ids` takes."""
-        return timed(self.functions[workload], self.runner, ids)
+        with precision(self.autocast):
+            return timed(self.functions[workload], self.runner, ids)
 
     def start_stream(self, stream: str, prompt: torch.Tensor) -> None:
         """Runs `prompt` into a new KV cache (not timed), the start of the decode stream `stream`."""
@@ -206,7 +222,7 @@ class ModelWorker:
         max_length = prompt.shape[1] + DECODE_STEPS
         cache = StaticCache(config, max_cache_len=max_length) if self.compile_model else DynamicCache(config=config)
         positions = torch.arange(prompt.shape[1]).unsqueeze(0)
-        with torch.inference_mode():
+        with torch.inference_mode(), precision(self.autocast):
             logits = self.runner(prompt, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1).logits
         self.streams[stream] = (cache, logits[:, -1:].argmax(-1))
 
@@ -214,7 +230,7 @@ class ModelWorker:
         """Seconds one greedy step of the decode stream `stream` takes, the token at `position`."""
         cache, token = self.streams[stream]
         positions = torch.tensor([[position]])
-        with torch.inference_mode():
+        with torch.inference_mode(), precision(self.autocast):
             start = time.perf_counter()
             logits = self.runner(token, cache=cache, position_ids=positions, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
@@ -244,11 +260,12 @@ class ModelProcess:
     returns its result. The process is forked from a server that has imported torch, Transformers and attnres
     (`fresh_context`), and builds its model as it starts: the first call waits for that."""
 
-    def __init__(self, shape: str, name: str, threads: int, compile_model: bool):
+    def __init__(self, shape: str, name: str, threads: int, compile_model: bool, autocast: str | None):
         self.name = name
         context = fresh_context()
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=serve, args=(child, shape, name, threads, compile_model), daemon=True)
+        arguments = (child, shape, name, threads, compile_model, autocast)
+        self.process = context.Process(target=serve, args=arguments, daemon=True)
         self.process.start()
         child.close()
 
@@ -268,12 +285,14 @@ class ModelProcess:
 
 
 @contextlib.contextmanager
-def model_processes(shape: str, threads: int, compile_models: bool) -> Iterator[dict[str, ModelProcess]]:
+def model_processes(
+    shape: str, threads: int, compile_models: bool, autocast: str | None
+) -> Iterator[dict[str, ModelProcess]]:
     """A `ModelProcess` for every model of the shape (`model_names`: the baseline first), ended on exit."""
     processes = {}
     try:
         for name in model_names(shape):
-            processes[name] = ModelProcess(shape, name, threads, compile_models)
+            processes[name] = ModelProcess(shape, name, threads, compile_models, autocast)
         yield processes
     finally:
         for process in processes.values():
@@ -404,7 +423,7 @@ class TensorMemoryPeak(TorchDispatchMode):
         return out
 
 
-def train_memory_in_this_process(shape: str, name: str) -> dict[str, float]:
+def train_memory_in_this_process(shape: str, name: str, autocast: str | None = None) -> dict[str, float]:
     """MiB one training step adds on top of the built model at its peak: its tensors' (`TensorMemoryPeak`) and the
     resident memory's. Linux's high-water mark (VmHWM) is reset to the current RSS right before the step
     (`/proc/self/clear_refs`), so the transient peaks of building the model do not hide the step's own peak."""
@@ -416,25 +435,25 @@ def train_memory_in_this_process(shape: str, name: str) -> dict[str, float]:
     ids = torch.randint(0, model.config.vocab_size, (TRAIN_BATCH, TRAIN_TOKENS))
     before = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    with TensorMemoryPeak() as tensors:
+    with TensorMemoryPeak() as tensors, precision(autocast):
         train_step(model, ids)
     resident = (status_kib("VmHWM") - before) / 1024
     return {"train_peak_mib": resident, "train_tensor_peak_mib": tensors.peak / 2**20}
 
 
-def train_memory_on_one_thread(shape: str, name: str) -> dict[str, float]:
+def train_memory_on_one_thread(shape: str, name: str, autocast: str | None) -> dict[str, float]:
     """`train_memory_in_this_process` on one thread: two of these run side by side."""
     torch.set_num_threads(1)
-    return train_memory_in_this_process(shape, name)
+    return train_memory_in_this_process(shape, name, autocast)
 
 
-def peak_train_memories(shape: str) -> dict[str, dict[str, float]]:
+def peak_train_memories(shape: str, autocast: str | None) -> dict[str, dict[str, float]]:
     """`train_memory_in_this_process` of every model of the shape, each in a fresh process, so that models measured
     earlier leave nothing behind. Two run at a time, one thread each: memory does not depend on timing, and this
     halves the part of the benchmark's run time that builds and steps each model once more."""
     names = model_names(shape)
     with ProcessPoolExecutor(max_workers=2, mp_context=fresh_context(), max_tasks_per_child=1) as pool:
-        memories = pool.map(train_memory_on_one_thread, [shape] * len(names), names)
+        memories = pool.map(train_memory_on_one_thread, [shape] * len(names), names, [autocast] * len(names))
         return dict(zip(names, memories, strict=True))
 
 
@@ -460,6 +479,10 @@ def main() -> None:
         "--instances", type=int, default=1,
         help="build every model this many times, each time in new processes, sharing the seconds among them",
     )
+    parser.add_argument(
+        "--autocast", choices=list(AUTOCAST_DTYPES), default=None,
+        help="run every workload under torch.autocast in this dtype (fp32 weights), every model alike",
+    )
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
     args = parser.parse_args()
@@ -474,7 +497,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         # Memory first, in fresh processes, then the times, in a process per model.
-        memory = {} if args.no_memory else peak_train_memories(shape)
+        memory = {} if args.no_memory else peak_train_memories(shape, args.autocast)
         baseline = model_names(shape)[0]
         for execution in ["eager"] + (["compile"] if args.compile else []):
             print(f"{shape}, {execution}:", file=sys.stderr)
@@ -485,12 +508,13 @@ def main() -> None:
             for instance in range(args.instances):
                 if args.instances > 1:
                     print(f" instance {instance + 1} of {args.instances}:", file=sys.stderr)
-                with model_processes(shape, torch.get_num_threads(), compile_models) as processes:
+                with model_processes(shape, torch.get_num_threads(), compile_models, args.autocast) as processes:
                     instances.append(
                         measure_times(shape, processes, args.repeats, instance_seconds, compile_models, args.workloads)
                     )
             for name in model_names(shape):
-                row = {"shape": shape, "mode": execution, "model": name}
+                mode = execution if args.autocast is None else f"{execution}, {args.autocast} autocast"
+                row = {"shape": shape, "mode": mode, "model": name}
                 for workload in args.workloads:
                     sequences = [sequence for times in instances for sequence in times[workload]]
                     samples = [time_ for sequence in sequences for model, time_ in sequence if model == name]
@@ -532,7 +556,7 @@ def main() -> None:
         "depth_kernels": kernels_module,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"repeats": args.repeats, "seconds": seconds, "instances": args.instances}
+    settings = {"repeats": args.repeats, "seconds": seconds, "instances": args.instances, "autocast": args.autocast}
     args.output.write_text(json.dumps({"machine": machine, **settings, "rows": rows}, indent=2))
     print(f"\nwrote {args.output}")
 

@@ -15,6 +15,7 @@ from benchmarks.overhead import (
     decode_sequence,
     flanked_ratios,
     model_processes,
+    precision,
     rotated,
     round_order,
 )
@@ -78,7 +79,7 @@ def test_each_model_runs_and_times_its_samples_in_a_process_of_its_own():
     their KV caches there, token by token in the rounds' order. An error in a model's process comes back as an error
     that names the model and carries the traceback."""
     threads = torch.get_num_threads()
-    with model_processes("small-moe", threads, compile_models=False) as processes:
+    with model_processes("small-moe", threads, compile_models=False, autocast=None) as processes:
         assert list(processes) == ["mixtral", "standard", "block", "full"]
         pids = {process.process.pid for process in processes.values()}
         assert len(pids) == 4 and os.getpid() not in pids
@@ -114,3 +115,20 @@ def test_benchmark_runs_the_workloads_asked_for(tmp_path):
         assert len(row["prefill_ratio_instances"]) == 2
         assert row["prefill_s"] > 0 and not any(key.startswith(("decode", "train")) for key in row)
     assert "| small | eager | block | " in result.stdout and result.stdout.count(" | - | - | - | - |") == 4
+
+
+def test_autocast_runs_every_workload_under_autocast(tmp_path):
+    """`--autocast bf16`: each model's process runs its workloads under bf16 autocast (here, a training step), and
+    the rows and settings say so."""
+    with precision("bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    output = tmp_path / "overhead.json"
+    command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "train"]
+    command += ["--autocast", "bf16", "--no-memory", "--repeats", "1", "--train-seconds", "0", "--output", str(output)]
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert results["autocast"] == "bf16"
+    assert {row["mode"] for row in results["rows"]} == {"eager, bf16 autocast"}
+    assert all(row["train_s"] > 0 for row in results["rows"])

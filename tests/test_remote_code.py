@@ -49,6 +49,15 @@ with torch.no_grad():
             "module": type(model).__module__,
             "max_diff": (value - expected[name]).abs().max().item(),
         }
+# A training step under bf16 autocast, on the PyTorch operations the checkpoint's code runs.
+model = AutoModelForCausalLM.from_pretrained(folder + "/causal", trust_remote_code=True).train()
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    logits = model(expected["ids"]).logits
+logits.float().square().mean().backward()
+report["autocast"] = {
+    "max_diff": (logits.float() - expected["autocast"]).abs().max().item(),
+    "finite_grads": all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None),
+}
 report["attnres_imported"] = sorted(m for m in sys.modules if m == "attnres" or m.startswith("attnres."))
 print("REPORT " + json.dumps(report))
 """
@@ -74,6 +83,8 @@ def save_checkpoints(folder: Path, overrides: dict) -> Path:
             "base": causal.model(ids).last_hidden_state,
             "classifier": classifier(ids).logits,
         }
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected["autocast"] = causal.train()(ids).logits.float()
     torch.save(expected, folder / "expected.pt")
     return folder / "expected.pt"
 
@@ -117,8 +128,10 @@ def test_every_auto_class_loads_from_remote_code_in_a_venv_without_attnres(mode,
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATTNRES_DEPTH_KERNEL")}
     report = run_script(str(VENV_WITHOUT_ATTNRES), LOAD_SCRIPT, tmp_path, env, cwd=tmp_path)
     assert report["attnres_imported"] == []
-    # Another Transformers (5.19) over the same torch: the same operations, to fp32 rounding at most.
+    # Another Transformers (5.19) over the same torch: the same operations, to fp32 rounding at most; under bf16
+    # autocast (which failed in the checkpoint's PyTorch phase 2), the same bf16 operations.
     assert_remote_and_equal(report, max_diff=1e-6)
+    assert report["autocast"]["finite_grads"] and report["autocast"]["max_diff"] <= 1e-6, report["autocast"]
 
 
 STANDIN_INIT = '''
