@@ -20,7 +20,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from attnres import AttnResForCausalLM
+from attnres.configuration_attnres import DEPTH_ABLATIONS
 from attnres.conversion.architectures import attnres_config
+from attnres.depth_mixing import PendingInput
 
 from conftest import enable_activation_checkpointing, randomize_depth_parameters, tiny_config
 from family_cases import prompt_ids, source_model
@@ -118,6 +120,38 @@ def test_depth_attention_computes_the_same_bits_under_autocast(setting, dtype, m
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", setting)
     (outputs, grads), (expected_outputs, expected_grads) = (depth_operations("cpu", dtype), depth_operations("cpu"))
     for actual, expected in zip([*outputs, *grads], [*expected_outputs, *expected_grads], strict=True):
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(residual_mode=mode) for mode in ("denseformer", "hc", "mhc")]
+    + [dict(residual_mode="block", depth_ablation=ablation) for ablation in DEPTH_ABLATIONS],
+    ids=lambda overrides: overrides.get("depth_ablation", overrides["residual_mode"]),
+)
+def test_mixers_that_compute_their_own_coefficients_compute_the_same_bits_under_autocast(overrides):
+    """The comparison residuals and the ablations (`depth_state.full_precision`): a mixer in the middle of the model
+    reads the same state and absorbs the same bf16 sublayer output with and without autocast, to the same bits."""
+    model = AttnResForCausalLM(tiny_config(**overrides)).train()
+    randomize_depth_parameters(model)
+    with torch.no_grad():
+        for parameter in model.parameters():  # the comparison residuals start as the identity: move them off it
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(0)))
+    mixer = model.model.layers[1].mlp_residual
+    arguments = []
+    hook = mixer.register_forward_hook(lambda module, args, output: arguments.append(args))
+    model(torch.randint(3, 96, (2, 9)))
+    hook.remove()
+    ((state, context),) = arguments
+    output = torch.randn(2, 9, 48, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def mix(autocast: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            mixed = mixer(state, context)
+            mixed = mixed.value() if isinstance(mixed, PendingInput) else mixed
+            return [mixed, *(x for x in mixer.absorb(output, state, context) if isinstance(x, torch.Tensor))]
+
+    for actual, expected in zip(mix(True), mix(False), strict=True):
         assert torch.equal(actual, expected)
 
 
