@@ -108,7 +108,7 @@ def flatten_state(state: NamedTuple) -> tuple[tuple, StateLayout]:
 
 
 def _device_type(values: tuple) -> str:
-    """The device type of the first tensor among `values`, looking one tuple deep (a state's fields)."""
+    """The device type of the first tensor among `values`, looking into tuples (a state and its fields)."""
     for value in values:
         if isinstance(value, torch.Tensor):
             return value.device.type

@@ -11,8 +11,8 @@ none of them reads the context. The states:
   embedding starts in every stream.
 
 HC and mHC compute their coefficients and mix the streams in fp32 whatever the model dtype, and with autocast off
-(`full_precision`); DenseFormer's scalar averages run in the stream's dtype, also with autocast off. This file is copied flat into remote-code checkpoints, so it imports nothing from
-the `attnres` package.
+(`full_precision`); DenseFormer's scalar averages run in the stream's dtype, also with autocast off. This file is
+copied flat into remote-code checkpoints, so it imports nothing from the `attnres` package.
 """
 
 import math
