@@ -29,7 +29,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
-from .depth_state import DepthContext, StateLayout, flatten_state
+from .depth_state import DepthContext, DepthState, StateLayout, flatten_state
 from .families import FAMILIES, Family, Sublayer, layer_types
 from .transformers_compat import CACHE_NAME, accepts_past_key_values, output_cache, output_with_cache
 
@@ -166,6 +166,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
         # Each mixer is looked up once (a submodule lookup is `nn.Module.__getattr__`, a Python call per read).
         attn_residual, mlp_residual = self.attn_residual, self.mlp_residual
+        if type(state) is DepthState and state.blocks_inv_rms.dtype != torch.float32:
+            # FSDP2's `MixedPrecisionPolicy` casts every floating-point tensor among a unit's inputs to `param_dtype`,
+            # the state's fp32 statistics too: they are computed again from the blocks, as a pipeline stage resumes
+            # a state, and each step runs phase 1 for its own query (docs/training.md#mixed-precision).
+            state, _ = attn_residual.resumed_state(state.blocks, state.partial, None)
         hidden_states = attn_residual(state, depth_context)
         if depth_context.record_inputs:
             self.recorded_input(hidden_states)

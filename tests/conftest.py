@@ -47,6 +47,19 @@ def tiny_config(**overrides) -> AttnResConfig:
     return AttnResConfig(**fields)
 
 
+def exact_retrofit(source: torch.nn.Module, mode: str, block_size: int | None) -> torch.nn.Module:
+    """The family model `source` converted to AttnRes with `exact_retrofit` and its weights: zero pseudo-queries, so
+    the same function as `source`."""
+    from attnres import AttnResForCausalLM
+    from attnres.conversion.architectures import attnres_config
+
+    config = attnres_config(source.config, mode=mode, block_size=block_size, exact_retrofit=True)
+    model = AttnResForCausalLM(config)
+    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+    assert not unexpected and all("_residual." in name for name in missing), (missing, unexpected)
+    return model
+
+
 def randomize_depth_parameters(model: torch.nn.Module, seed: int = 0) -> None:
     """Give every pseudo-query and key-norm gain a random non-zero value, as after training: the same values on any
     device (drawn on the CPU, whatever device new tensors default to)."""

@@ -4,11 +4,11 @@
     torchrun --nproc_per_node 4 tests/distributed_pipeline.py --cases block-interleaved-4 fsdp-2x2 --output DIR
 
 Each case (`CASES`) builds the model `build_model` builds in the test's process, splits it into stages
-(`attnres.training.pipeline`) and trains it for `STEPS` steps of SGD under the case's schedule; the cases run one
-after another in one process group. Every rank writes `DIR/rank{R}.pt`: per case and step, the parameters it holds
-before the step and their gradients (by the model's parameter names, FSDP shards gathered), the step's loss (the
-mean over every microbatch), and the bytes its stages sent; for the cases that save, the logits of an evaluation
-batch (last stage) and a checkpoint folder `DIR/<case>`.
+(`attnres.training.pipeline`) and trains it for `STEPS` steps of SGD under the case's schedule (the mixed-precision
+cases under `torch.autocast(bfloat16)`); the cases run one after another in one process group. Every rank writes
+`DIR/rank{R}.pt`: per case and step, the parameters it holds before the step and their gradients (by the model's
+parameter names, FSDP shards gathered), the step's loss (the mean over every microbatch), and the bytes its stages sent;
+for the cases that save, the logits of an evaluation batch (last stage) and a checkpoint folder `DIR/<case>`.
 """
 
 import argparse
@@ -19,10 +19,17 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import enable_activation_checkpointing, randomize_depth_parameters, tiny_config  # noqa: E402
+from conftest import (  # noqa: E402
+    TINY_SHAPE,
+    enable_activation_checkpointing,
+    exact_retrofit,
+    randomize_depth_parameters,
+    tiny_config,
+)
 
 from attnres import AttnResForCausalLM  # noqa: E402
 from attnres.training.pipeline import (  # noqa: E402
@@ -53,6 +60,8 @@ class Case(NamedTuple):
     cross_stage_cache: bool = True
     data_parallel: int = 1  # FSDP2 shards of each stage
     save: bool = False  # evaluation logits and a checkpoint
+    # The steps under `torch.autocast(bfloat16)`, from a freshly converted Llama (`converted_model`).
+    mixed_precision: bool = False
 
 
 CASES = {
@@ -67,6 +76,13 @@ CASES = {
     "full-looped-bfs": Case(dict(residual_mode="full", num_hidden_layers=4), 2, 2, "looped-bfs", 2),
     "moe-block-interleaved": Case(dict(block_size=4, num_hidden_layers=4, **MOE), 2, 2, "interleaved-1f1b", 4),
     "moe-standard-1f1b": Case(dict(residual_mode="standard", num_hidden_layers=4, **MOE), 2, 1, "1f1b", 2),
+    # bf16 autocast, blocks of 3 spanning the cuts, cached; the family's own model (standard) the same way.
+    "block-interleaved-bf16": Case(
+        dict(block_size=3, num_hidden_layers=4), 2, 2, "interleaved-1f1b", 4, mixed_precision=True
+    ),
+    "standard-interleaved-bf16": Case(
+        dict(residual_mode="standard", num_hidden_layers=4), 2, 2, "interleaved-1f1b", 4, mixed_precision=True
+    ),
     # 4 ranks. 8 layers: two stages per rank hold one layer (2 sublayers) each, so blocks of 4 span two stages.
     "block-interleaved-4": Case(dict(block_size=4, num_hidden_layers=8), 4, 2, "interleaved-1f1b", 4),
     "block-interleaved-4-naive": Case(
@@ -78,13 +94,27 @@ CASES = {
 
 
 def build_model(case: Case) -> AttnResForCausalLM:
-    """The case's model, the same in every process: seeded, with random pseudo-queries, activation checkpointing on
-    (non-reentrant, the exact kind for MoE routers, docs/training.md)."""
-    torch.manual_seed(0)
-    model = AttnResForCausalLM(tiny_config(**SHAPE, **case.model))
-    randomize_depth_parameters(model)
+    """The case's model, the same in every process: seeded, with random pseudo-queries (`converted_model` for the
+    mixed-precision cases), activation checkpointing on (non-reentrant, the exact kind for MoE routers,
+    docs/training.md)."""
+    if case.mixed_precision:
+        model = converted_model(case.model)
+    else:
+        torch.manual_seed(0)
+        model = AttnResForCausalLM(tiny_config(**SHAPE, **case.model))
+        randomize_depth_parameters(model)
     enable_activation_checkpointing(model, use_reentrant=False)
     return model.train()
+
+
+def converted_model(fields: dict) -> AttnResForCausalLM:
+    """A seeded Llama of the tests' shape converted exactly (zero pseudo-queries: the function the Llama computes) to
+    the residual mode of `fields`. Random pseudo-queries would make the function itself ill-conditioned in bf16
+    (rounding the weights alone moves its gradients 15%, Llama's 0.8%), which is no measure of the pipeline."""
+    torch.manual_seed(0)
+    shape = {**TINY_SHAPE, **SHAPE, "num_hidden_layers": fields["num_hidden_layers"]}
+    source = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]))
+    return exact_retrofit(source, fields.get("residual_mode", "block"), fields.get("block_size"))
 
 
 def batches(seed: int = 1) -> list[torch.Tensor]:
@@ -141,7 +171,8 @@ def run_case(name: str, case: Case, output: Path) -> dict:
         result["parameters"].append({name: full_tensor(p).clone() for m in modules for name, p in m.named_parameters()})
         batch = batch.chunk(case.data_parallel)[data_rank]
         losses = []
-        schedule.step(*([batch] if first else []), **(dict(target=batch, losses=losses) if last else {}))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.mixed_precision):
+            schedule.step(*([batch] if first else []), **(dict(target=batch, losses=losses) if last else {}))
         # The step's loss: the mean over the microbatches, and over the data-parallel shards of the last stage.
         loss = torch.stack(losses).mean() / case.data_parallel if last else torch.zeros(())
         dist.all_reduce(loss)

@@ -1,8 +1,8 @@
 """Pipeline parallelism (`attnres.training.pipeline`) on PyTorch's engine: the layout and its refusals in one process;
 then every case of tests/distributed_pipeline.py under torchrun on gloo, 2 and 4 CPU processes (two launches), against
 one process: each step's loss and every parameter's gradient, the bytes the cross-stage cache sends against the
-formula of docs/design.md §11, a saved checkpoint reloaded in one process, FSDP2 inside the stages; and
-examples/pretrain_pp.py."""
+formula of docs/design.md §11, a saved checkpoint reloaded in one process, FSDP2 inside the stages, bf16 autocast
+against the family's own model pipelined the same way; and examples/pretrain_pp.py."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ from conftest import randomize_depth_parameters, tiny_config
 from distributed_pipeline import BATCH, CASES, SEQ_LEN, SHAPE, batches, build_model, reference_step
 from family_cases import CASES as FAMILY_CASES
 from family_cases import prompt_ids, source_model
-from test_training import launch, launcher_env
+from test_training import GRADIENT_BOUND, LOSS_BOUND, launch, launcher_env
 from transformers import AutoModelForCausalLM
 
 from attnres import AttnResForCausalLM
@@ -178,7 +178,7 @@ def merged(records: list[dict], field: str, step: int) -> dict[str, torch.Tensor
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if not case.mixed_precision])
 def test_pipeline_steps_equal_one_process(pipeline_runs, name):
     """At each step, from the parameters the pipeline holds, one process computes the same loss (the mean over the
     same microbatches) and the same gradient of every parameter. Compared step by step at the same parameters,
@@ -206,6 +206,50 @@ def test_pipeline_steps_equal_one_process(pipeline_runs, name):
         assert abs(without - losses[-1]) > 1e-4
     if case.data_parallel > 1:
         assert all(record["sharded"] for record in records)  # FSDP2 held the parameters as DTensor shards
+
+
+def deviations_from_fp32(name: str, records: list[dict]) -> tuple[list[float], list[float]]:
+    """Per step, from the parameters the pipeline held: |its loss - one fp32 process's loss| over the same
+    microbatches, and the relative error of all its gradients together against that process's."""
+    case = CASES[name]
+    model = build_model(case)
+    losses, grad_errors = [], []
+    for step, batch in enumerate(batches()[:-1]):
+        model.load_state_dict(merged(records, "parameters", step))
+        loss, grads = reference_step(model, case, batch)
+        pipelined = merged(records, "grads", step)
+        assert set(pipelined) == set(grads) == {name for name, _ in model.named_parameters()}
+        error = sum((pipelined[parameter] - grad).pow(2).sum() for parameter, grad in grads.items()).sqrt()
+        norm = sum(grad.pow(2).sum() for grad in grads.values()).sqrt()
+        losses.append(abs(records[0]["losses"][step] - loss))
+        grad_errors.append((error / norm).item())
+    return losses, grad_errors
+
+
+@pytest.mark.distributed
+def test_pipeline_under_autocast_tracks_fp32_within_the_familys_deviation(pipeline_runs):
+    """Block AttnRes (blocks of 3 spanning the cuts, 2 ranks x 2 stages, cross-stage cache) trained under
+    `torch.autocast(bfloat16)` deviates from one fp32 process, step by step from the same parameters, no more than the
+    family's own model (standard mode, the Llama it was converted from) pipelined the same way: measured, the largest
+    loss deviation over the 3 steps 7.19e-5 (standard 7.26e-5), the gradients' relative error 0.48% (0.52%). The
+    bounds are those of tests/test_training.py's mixed-precision runs (`LOSS_BOUND`, `GRADIENT_BOUND`). The blocks
+    cross the boundaries in the stream's dtype, fp32 (the statistics are recomputed on the receiving side): the bytes
+    sent are the formula's in fp32."""
+    block, standard = "block-interleaved-bf16", "standard-interleaved-bf16"
+    losses, grad_errors = deviations_from_fp32(block, pipeline_runs[block])
+    family_losses, family_grad_errors = deviations_from_fp32(standard, pipeline_runs[standard])
+    assert max(family_losses) > 0 and min(family_grad_errors) > 0  # bf16 did round
+    for step in range(len(losses)):
+        assert losses[step] <= LOSS_BOUND * max(family_losses), (step, losses, family_losses)
+        assert grad_errors[step] <= GRADIENT_BOUND * max(family_grad_errors), (step, grad_errors, family_grad_errors)
+    case = CASES[block]
+    config = build_model(case).config
+    count = tensors_per_microbatch(
+        config.num_hidden_layers, config.depth_block_size, case.ranks, case.stages_per_rank, cached=True
+    )
+    fp32_bytes = count * BATCH * SEQ_LEN * SHAPE["hidden_size"] * 4  # per microbatch, times the microbatches
+    for step in range(len(losses)):
+        assert sum(sent for record in pipeline_runs[block] for sent, _ in record["traffic"][step]) == fp32_bytes
 
 
 @pytest.mark.distributed
