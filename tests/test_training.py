@@ -1,6 +1,6 @@
 """Training: Trainer (dense and MoE, checkpoint resume, activation checkpointing), optimizer groups, depth-only
-training, the PEFT LoRA recipe, DDP / FSDP on CPU against a single process, the retrofit step on the real SmolLM2,
-and the examples."""
+training, the PEFT LoRA recipe, DDP / FSDP on CPU against a single process and in bf16 against the family's own
+model, the retrofit step on the real SmolLM2, and the examples."""
 
 import functools
 import json
