@@ -21,10 +21,9 @@ from transformers import Trainer, TrainingArguments
 
 from attnres import AttnResForCausalLM
 from attnres.configuration_attnres import DEPTH_ABLATIONS
-from attnres.conversion.architectures import attnres_config
 from attnres.depth_mixing import PendingInput
 
-from conftest import enable_activation_checkpointing, randomize_depth_parameters, tiny_config
+from conftest import enable_activation_checkpointing, exact_retrofit, randomize_depth_parameters, tiny_config
 from family_cases import prompt_ids, source_model
 from kernel_cases import depth_operations
 
@@ -43,11 +42,7 @@ RATIO = 1.25
 def converted(case: str, mode: str) -> tuple[nn.Module, AttnResForCausalLM]:
     """The family's own model for `case` and its exact conversion to `mode`, both in training mode."""
     source = source_model(case).train()
-    config = attnres_config(source.config, mode=mode, block_size=None, exact_retrofit=True)
-    model = AttnResForCausalLM(config)
-    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
-    assert not unexpected and all("_residual." in name for name in missing)
-    return source, model.train()
+    return source, exact_retrofit(source, mode, block_size=None).train()
 
 
 def token_losses_and_grads(model: nn.Module, ids: torch.Tensor, autocast: torch.dtype | None = None):
