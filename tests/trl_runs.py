@@ -68,7 +68,7 @@ def losses(trainer) -> list[float]:
 def adapter_reload_max_diff(trainer, folder: Path, output: Path, remote_code: bool, probe: torch.Tensor) -> float:
     """Save the trained adapter, load it onto a fresh copy of the checkpoint, and compare logits in fp32."""
     trainer.save_model(str(output))
-    trained = trainer.model.eval()
+    trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()  # no autocast
     reloaded = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote_code), output
     ).eval()
