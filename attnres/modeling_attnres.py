@@ -321,11 +321,12 @@ class AttnResModel(AttnResPreTrainedModel):
     def _keep_depth_queries_in_float32(self) -> None:
         """Pseudo-queries and key-norm gains are held in fp32 whatever dtype the model is built or loaded in
         (`from_pretrained(dtype=torch.bfloat16)`, a 4-bit `quantization_config`): they are read in fp32 anyway
-        (`DepthQuery`), they are two vectors per sublayer, and in bf16 an optimizer step smaller than the spacing of
-        their values would be lost (about 0.008 at a key-norm gain of 1, against steps of about the learning rate, 3e-4
-        in docs/training.md). Transformers' `_keep_in_fp32_modules_strict` names them for loading, by parameter
-        name, in the models that have them (standard mode and the comparison residuals have none); built from a
-        config they are made fp32 here. Quantization never reaches them: the quantizers replace linear layers."""
+        (`DepthQuery`), they are two vectors per sublayer, and in bf16 an optimizer step below half the spacing of
+        their values is rounded away (the spacing is 0.0078 at a key-norm gain of 1; Adam's steps are about the
+        learning rate, 3e-4 in docs/training.md). Transformers' `_keep_in_fp32_modules_strict` names them for loading,
+        by parameter name, in the models that have them (standard mode and the comparison residuals have none); built
+        from a config they are made fp32 here. `model.to(dtype)` still casts them. bitsandbytes quantizes linear
+        layers only, so a 4-bit model holds them as they are."""
         names = set()
         for module in self.modules():
             if isinstance(module, DepthQuery):

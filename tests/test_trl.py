@@ -31,7 +31,7 @@ FAMILIES = ["qwen3", "gemma3_text"]
 # Gemma's final soft-capping on, so that the fused LM head's reading of it is tested.
 SOURCE_FIELDS = {"gemma3_text": dict(final_logit_softcapping=30.0)}
 SMOLLM2_RUNS = ("sft-lora", "dpo-lora")
-SMOLLM2_RATES = dict(steps=4, lora_lr=1e-3, dpo_lr=1e-3)
+SMOLLM2_RATES = dict(steps=4, lora_lr=3e-4, dpo_lr=3e-4)
 
 
 def character_tokenizer() -> PreTrainedTokenizerFast:
@@ -97,8 +97,12 @@ def check_report(report: dict, runs: tuple[str, ...], remote_code: bool) -> None
     if "sft-padding-free" in report:
         assert report["sft-padding-free"]["padding_free"] and report["sft-packing"]["padding_free"]
         assert not report["sft-full"]["padding_free"]
+        # The same rows, the same updates: under bf16 autocast the losses differ by the rounding of differently
+        # shaped products alone. Measured: 2.5e-5 (Qwen3) and 5e-6 (Gemma 3) at the first step, 1.2e-3 and 3.0e-3
+        # at most over 6 steps.
         padded, padding_free = report["sft-full"]["losses"], report["sft-padding-free"]["losses"]
-        assert max(abs(a - b) for a, b in zip(padded, padding_free)) <= 2e-2, (padded, padding_free)
+        assert abs(padded[0] - padding_free[0]) <= 1e-3, (padded, padding_free)
+        assert max(abs(a - b) for a, b in zip(padded, padding_free)) <= 1e-2, (padded, padding_free)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
