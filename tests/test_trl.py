@@ -1,8 +1,8 @@
 """TRL's trainers on AttnRes checkpoints, with TRL's defaults (bf16 mixed precision, activation checkpointing):
 `SFTTrainer` with a LoRA `peft_config`, in full, with packing and with padding-free batches, and `DPOTrainer` with a
 LoRA `peft_config` (`tests/trl_runs.py` runs them). On tiny Qwen3 and Gemma 3 conversions every run, on the converted
-SmolLM2-135M the two LoRA runs (full fine-tuning of 135M parameters costs a minute a run on 2 cores); each through the
-installed package and through the checkpoint's remote code, in a process that never imports attnres.
+SmolLM2-135M the two LoRA runs (the full-parameter runs are left to the tiny models, to keep CI short); each through
+the installed package and through the checkpoint's remote code, in a process that never imports attnres.
 
 Every run's loss falls on a batch it sees at every step, and every saved adapter loads back onto a fresh copy of the
 checkpoint with equal logits. TRL's fused LM head (the log-probabilities of the labels computed from the backbone's
