@@ -88,7 +88,8 @@ def test_qlora_trains_reloads_merges_and_unmerges(checkpoints, tmp_path, bf16):
     full_precision_logits = logits(AutoModelForCausalLM.from_pretrained(folder), ids)
 
     def load_4bit():
-        return AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4(torch.bfloat16), dtype=torch.bfloat16)
+        quantization = nf4(torch.bfloat16)
+        return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=torch.bfloat16)
 
     base = load_4bit()
     quantization_error = max_diff(logits(base, ids), full_precision_logits)

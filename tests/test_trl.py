@@ -63,10 +63,11 @@ def run_with_remote_code(folder: Path, output: Path, **options) -> dict:
     """`run_trainers` in a new process that loads the checkpoint through its remote code (`trust_remote_code=True`)
     and never imports attnres: no PYTHONPATH, started outside the repository."""
     output.mkdir(parents=True)
+    arguments = json.dumps(dict(remote_code=True, **options))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATTNRES_DEPTH_KERNEL")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(output / "modules"))
     result = subprocess.run(
-        [sys.executable, str(TESTS / "trl_runs.py"), str(folder), str(output), json.dumps(dict(remote_code=True, **options))],
+        [sys.executable, str(TESTS / "trl_runs.py"), str(folder), str(output), arguments],
         cwd=output,
         env=env,
         capture_output=True,

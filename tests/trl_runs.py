@@ -4,8 +4,9 @@ LoRA `peft_config`. Each run reports its per-step losses; the LoRA runs save the
 copy of the checkpoint and report the largest logit difference against the trained model.
 
 Imports neither attnres nor the tests' helpers, so that `tests/test_trl.py` runs it in its own process on a checkpoint
-loaded through its remote code (`python tests/trl_runs.py FOLDER OUTPUT '{"remote_code": true}'`, the keyword arguments of
-`run_trainers` as JSON; it prints the report as `REPORT {json}`), as well as in the test's process through the installed package (`run_trainers`).
+loaded through its remote code (`python tests/trl_runs.py FOLDER OUTPUT '{"remote_code": true}'`: the keyword
+arguments of `run_trainers` as JSON; it prints the report as `REPORT {json}`), as well as in the test's process
+through the installed package (`run_trainers`).
 """
 
 import json
@@ -127,7 +128,8 @@ def run_trainers(
         trainer.train()
         extra = dict(padding_free=trainer.padding_free)
         if lora:
-            extra["reload_max_diff"] = adapter_reload_max_diff(trainer, folder, output / name / "adapter", remote_code, probe)
+            adapter = output / name / "adapter"
+            extra["reload_max_diff"] = adapter_reload_max_diff(trainer, folder, adapter, remote_code, probe)
         record(name, trainer, **extra)
 
     if "dpo-lora" in runs:
@@ -141,7 +143,8 @@ def run_trainers(
         )
         trainer.train()
         adapter = output / "dpo-lora" / "adapter"
-        record("dpo-lora", trainer, reload_max_diff=adapter_reload_max_diff(trainer, folder, adapter, remote_code, probe))
+        reload_max_diff = adapter_reload_max_diff(trainer, folder, adapter, remote_code, probe)
+        record("dpo-lora", trainer, reload_max_diff=reload_max_diff)
     report["attnres_imported"] = sorted(m for m in sys.modules if m == "attnres" or m.startswith("attnres."))
     return report
 
