@@ -155,6 +155,9 @@ class AttnResConfig(PreTrainedConfig):
         if self.family not in FAMILIES:
             self._fail("family", "one of " + ", ".join(repr(name) for name in FAMILIES))
         family_config = FAMILIES[self.family].config_class
+        # The family's aliases (Mixtral's `num_experts` for `num_local_experts`), which `PreTrainedConfig` resolves on
+        # every attribute read and write through `attribute_map`, found on the instance before the class.
+        vars(self)["attribute_map"] = dict(family_config.attribute_map)
         kwargs = self._without_other_families_fields(family_config, kwargs)
         given = {name: kwargs[name] for name in _declared_fields(family_config) & kwargs.keys()}
         for name, value in {**_field_defaults(family_config), **given}.items():
@@ -169,12 +172,11 @@ class AttnResConfig(PreTrainedConfig):
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self._check_fields()
 
-    @property
-    def attribute_map(self) -> dict[str, str]:
-        """The family's aliases (Mixtral's `num_experts` for `num_local_experts`), which `PreTrainedConfig` resolves on
-        every attribute read and write, this one's included: hence the family read from `__dict__` directly."""
-        family = object.__getattribute__(self, "__dict__").get("family")
-        return FAMILIES[family].config_class.attribute_map if family in FAMILIES else {}
+    def to_dict(self) -> dict:
+        """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""
+        output = super().to_dict()
+        output.pop("attribute_map", None)
+        return output
 
     def _without_other_families_fields(self, family_config: type[PreTrainedConfig], kwargs: dict) -> dict:
         """`kwargs` without the fields of Llama's and Mixtral's configs (which configs of every family held before
@@ -197,9 +199,9 @@ class AttnResConfig(PreTrainedConfig):
         return loaded
 
     def validate(self) -> None:
-        """The family's checks (Transformers' among them), then AttnRes's; `save_pretrained` runs it, so a field set
-        to a bad value after `__init__` is never saved."""
-        FAMILIES[self.family].config_class.validate(self)
+        """Transformers' checks, then AttnRes's; `save_pretrained` runs it, so a field set to a bad value after
+        `__init__` is never saved."""
+        super().validate()
         self._check_fields()
 
     @property
@@ -323,8 +325,10 @@ def _legacy_reading(kwargs: dict) -> tuple[str, dict]:
 
 
 def _declared_fields(config_class: type[PreTrainedConfig]) -> set[str]:
-    """The fields a config class declares beside `PreTrainedConfig`'s, and the names its `attribute_map` gives them."""
-    return {field.name for field in dataclasses.fields(config_class)} - _SHARED_FIELDS | set(config_class.attribute_map)
+    """The fields a config class declares beside `PreTrainedConfig`'s, and both names of its aliases (Qwen3-MoE holds
+    its `num_experts` field as `num_local_experts`)."""
+    aliases = config_class.attribute_map
+    return {field.name for field in dataclasses.fields(config_class)} - _SHARED_FIELDS | set(aliases) | set(aliases.values())
 
 
 def _field_defaults(config_class: type[PreTrainedConfig]) -> dict:

@@ -59,18 +59,18 @@ def test_llama_norm_is_true_exactly_where_the_family_copies_llamas_rmsnorm(model
 def test_standard_mode_equals_the_family_bit_for_bit(case):
     source = source_model(case)
     config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
-    config.output_router_logits = getattr(source.config, "output_router_logits", False)
+    moe = FAMILIES[config.family].moe
     model = AttnResForCausalLM(config).eval()
     assert model.config._attn_implementation == source.config._attn_implementation
     assert set(model.state_dict()) == set(source.state_dict())  # the family's names, nothing added
     model.load_state_dict(source.state_dict())
     ids, mask = padded_batch()
     with torch.no_grad():
-        expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=config.is_moe)
-        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=config.is_moe)
+        expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=moe)
+        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=moe)
     assert torch.equal(actual.logits, expected.logits)
     assert torch.equal(actual.loss, expected.loss)  # the router's load-balancing loss included
-    if config.is_moe:
+    if moe:
         assert torch.equal(actual.aux_loss, expected.aux_loss)
 
 
