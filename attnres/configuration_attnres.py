@@ -252,8 +252,9 @@ class AttnResConfig(PreTrainedConfig):
             self._fail("residual_mode", "one of " + " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
         if self.depth_kernel not in ("auto", "reference"):
             self._fail("depth_kernel", "'auto' | 'reference'")
-        for field in ("hidden_act", "hidden_activation"):
-            if hasattr(self, field) and (not isinstance(getattr(self, field), str) or getattr(self, field) not in ACT2FN):
+        for field in ("hidden_act", "hidden_activation"):  # Gemma 2 and 3 name it the second way
+            activation = getattr(self, field, "silu")
+            if not isinstance(activation, str) or activation not in ACT2FN:
                 self._fail(field, "the name of a Transformers activation, e.g. 'silu' or 'gelu'")
         if self.block_size is not None:
             sublayers = self.num_sublayers
@@ -320,7 +321,8 @@ def _legacy_reading(kwargs: dict) -> tuple[str, dict]:
     else:
         family = "mistral" if kwargs.get("sliding_window") is not None else "llama"
     if kwargs.get("rope_parameters") is None and not {"rope_theta", "rope_scaling"} & kwargs.keys():
-        kwargs = {**kwargs, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # Llama's, not Mixtral's
+        # Llama's, not Mixtral's
+        kwargs = {**kwargs, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     return family, kwargs
 
 
@@ -328,7 +330,8 @@ def _declared_fields(config_class: type[PreTrainedConfig]) -> set[str]:
     """The fields a config class declares beside `PreTrainedConfig`'s, and both names of its aliases (Qwen3-MoE holds
     its `num_experts` field as `num_local_experts`)."""
     aliases = config_class.attribute_map
-    return {field.name for field in dataclasses.fields(config_class)} - _SHARED_FIELDS | set(aliases) | set(aliases.values())
+    fields = {field.name for field in dataclasses.fields(config_class)} - _SHARED_FIELDS
+    return fields | set(aliases) | set(aliases.values())
 
 
 def _field_defaults(config_class: type[PreTrainedConfig]) -> dict:

@@ -13,6 +13,7 @@ import torch
 from transformers.models.auto import modeling_auto
 
 from attnres import AttnResConfig, AttnResForCausalLM, AttnResForSequenceClassification, AttnResModel
+from attnres.families import FAMILIES
 
 from transformers_common import GenerationTesterMixin, import_common_tests
 
@@ -90,7 +91,12 @@ class AttnResCommonTests(ModelTesterMixin, GenerationTesterMixin):
         # Llama's tester uses hidden_size=37 with Llama's 32 heads (head_dim 1); AttnResConfig refuses an odd head_dim
         # (rotary embeddings rotate pairs of channels), so the config tests get a shape it accepts.
         self.config_tester = ConfigTester(
-            self, config_class=AttnResConfig, hidden_size=40, num_attention_heads=4, **self.config_overrides
+            self,
+            config_class=AttnResConfig,
+            hidden_size=40,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **self.config_overrides,
         )
 
     def test_config(self):
@@ -101,24 +107,54 @@ def without_experts(cls: type) -> type:
     """Skips the tests of MoE dispatch in a dense variant: `_can_set_experts_implementation` is a class property, true
     for the MoE configs, but a dense config builds no experts and no router for the tests to find."""
     for name in dir(cls):
-        if name.startswith(("test_eager_matches_batched_and_grouped_inference", "test_output_router_logits")):
-            skip = unittest.skip("dense config: no experts or router (the MoE variant runs this)")
+        if name.startswith("test_eager_matches_batched_and_grouped_inference"):
+            skip = unittest.skip("dense config: no experts or router (the MoE variants run this)")
             setattr(cls, name, skip(getattr(cls, name)))
     return cls
 
 
-# Three families: the tests set `sliding_window` on any config that has the field, which Llama's has not, so the
-# dense variants are Qwen3 (q/k norms; its layers stay full unless `use_sliding_window`) and Mistral (Llama's decoder
-# with a window), and the MoE one Mixtral.
-@without_experts
-class AttnResBlockModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(family="qwen3", residual_mode="block", block_size=2)
+# Each family's fields beside the tester's shape: its MoE in small, and a head_dim that fits the tiny hidden size
+# where the family's default is a fixed 128 or 256.
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILY_FIELDS = {
+    "llama": {},
+    "mistral": {},
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2": {},
+    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, **MOE),
+    "qwen3": dict(head_dim=8),
+    "qwen3_moe": dict(num_experts=4, **MOE),
+    "smollm3": {},
+    "phi3": {},
+    "granite": {},
+    "gemma": dict(head_dim=8),
+    "gemma2": dict(head_dim=8),
+    "gemma3_text": dict(head_dim=8),
+    "olmo2": {},
+    "olmo3": {},
+}
+assert FAMILY_FIELDS.keys() == FAMILIES.keys()  # a new row of the family table gets its common tests
 
 
-class AttnResFullMoeModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(family="mixtral", residual_mode="full", num_local_experts=4, num_experts_per_tok=2)
+def common_test_case(family: str, residual_mode: str) -> type:
+    """The common tests on one family in one residual mode (Block with blocks of one decoder layer)."""
+    config_overrides = dict(family=family, residual_mode=residual_mode, **FAMILY_FIELDS[family])
+    if residual_mode == "block":
+        config_overrides["block_size"] = 2
+    case = type(
+        f"AttnRes{residual_mode.title()}{FAMILIES[family].prefix}ModelTest",
+        (AttnResCommonTests, unittest.TestCase),
+        {"config_overrides": config_overrides, "__module__": __name__},
+    )
+    return case if FAMILIES[family].moe else without_experts(case)
 
 
-@without_experts
-class AttnResStandardModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(family="mistral", residual_mode="standard")
+# Block AttnRes on every family; Full AttnRes and the standard residual on Llama and Qwen3 (q/k norms), and Full
+# AttnRes on MoE layers (Mixtral).
+VARIANTS = [(family, "block") for family in FAMILIES] + [
+    (family, mode) for mode in ("full", "standard") for family in ("llama", "qwen3")
+] + [("mixtral", "full")]
+for family, residual_mode in VARIANTS:
+    case = common_test_case(family, residual_mode)
+    globals()[case.__name__] = case
+del case
