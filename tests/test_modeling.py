@@ -886,9 +886,9 @@ def test_device_map_auto_loads_and_matches(tmp_path):
 def test_invalid_config_field_raises_naming_it(field, value, message):
     overrides = {field: value}
     if field in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise"):
-        overrides = dict(family="mixtral", num_local_experts=4, **overrides)
-    elif field == "sliding_window" and value == 0:
-        overrides["family"] = "mistral"
+        overrides = {"family": "mixtral", "num_local_experts": 4, **overrides}
+    elif field == "sliding_window":  # a window of 0 in the family that has one, any in one that has none
+        overrides["family"] = "mistral" if value == 0 else "llama"
     with pytest.raises(ValueError) as error:
         tiny_config(**overrides)
     assert f"AttnResConfig.{field}=" in str(error.value)
