@@ -1,11 +1,12 @@
-"""Transformers' common model tests, run on AttnRes the way Transformers runs them on Llama and Mixtral.
+"""Transformers' common model tests, run on AttnRes the way Transformers runs them on each decoder family.
 
 `ModelTesterMixin` and `ConfigTester` come from the installed Transformers version's own test files
-(`tests/transformers_common.py` says where and what stands in for the files its sdist lacks). Each variant covers one
-code path of the decoder: Block AttnRes (two-phase depth attention with blocks), Full AttnRes on MoE layers, and the
-standard PreNorm residual.
+(`tests/transformers_common.py` says where and what stands in for the files its sdist lacks). Block AttnRes (two-phase
+depth attention with blocks) runs on every row of the family table; Full AttnRes and the standard residual on Llama
+and Qwen3, and Full AttnRes on Mixtral's MoE layers.
 """
 
+import dataclasses
 import unittest
 
 import pytest
@@ -58,6 +59,11 @@ class AttnResModelTester:
         self.num_labels = 3
         self.pad_token_id = 0
         self.config_overrides = config_overrides
+        # The head size goes to the families whose config declares one, as Transformers' `CausalLMModelTester` passes
+        # it (where it stays None, Mixtral's rotary scaling functions read None).
+        family_config = FAMILIES[config_overrides.get("family", "llama")].config_class
+        if "head_dim" in {field.name for field in dataclasses.fields(family_config)}:
+            self.config_overrides = {"head_dim": self.hidden_size // self.num_attention_heads, **config_overrides}
 
     def get_config(self) -> AttnResConfig:
         return AttnResConfig(
@@ -113,8 +119,7 @@ def without_experts(cls: type) -> type:
     return cls
 
 
-# Each family's fields beside the tester's shape: its MoE in small, and a head_dim that fits the tiny hidden size
-# where the family's default is a fixed 128 or 256.
+# Each family's fields beside the tester's shape: its MoE in small.
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILY_FIELDS = {
     "llama": {},
@@ -122,14 +127,14 @@ FAMILY_FIELDS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2": {},
     "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, **MOE),
-    "qwen3": dict(head_dim=8),
+    "qwen3": {},
     "qwen3_moe": dict(num_experts=4, **MOE),
     "smollm3": {},
     "phi3": {},
     "granite": {},
-    "gemma": dict(head_dim=8),
-    "gemma2": dict(head_dim=8),
-    "gemma3_text": dict(head_dim=8),
+    "gemma": {},
+    "gemma2": {},
+    "gemma3_text": {},
     "olmo2": {},
     "olmo3": {},
 }
