@@ -90,10 +90,11 @@ class AttnResCommonTests(ModelTesterMixin, GenerationTesterMixin):
     all_model_classes = (AttnResModel, AttnResForCausalLM, AttnResForSequenceClassification)
     # `_init_weights` initialises every parameter (the pseudo-queries to zero), so the missing-weights test applies.
     test_can_init_all_missing_weights_before_2023 = True
-    config_overrides: dict = {}
+    config_overrides: dict = {}  # the family and the residual fields
+    family_fields: dict = {}  # the family's fields that the tiny model needs (its MoE in small)
 
     def setUp(self):
-        self.model_tester = AttnResModelTester(self, **self.config_overrides)
+        self.model_tester = AttnResModelTester(self, **self.config_overrides, **self.family_fields)
         # Llama's tester uses hidden_size=37 with Llama's 32 heads (head_dim 1); AttnResConfig refuses an odd head_dim
         # (rotary embeddings rotate pairs of channels), so the config tests get a shape it accepts.
         self.config_tester = ConfigTester(
@@ -143,13 +144,13 @@ assert FAMILY_FIELDS.keys() == FAMILIES.keys()  # a new row of the family table 
 
 def common_test_case(family: str, residual_mode: str) -> type:
     """The common tests on one family in one residual mode (Block with blocks of one decoder layer)."""
-    config_overrides = dict(family=family, residual_mode=residual_mode, **FAMILY_FIELDS[family])
+    config_overrides = dict(family=family, residual_mode=residual_mode)
     if residual_mode == "block":
         config_overrides["block_size"] = 2
     case = type(
         f"AttnRes{residual_mode.title()}{FAMILIES[family].prefix}ModelTest",
         (AttnResCommonTests, unittest.TestCase),
-        {"config_overrides": config_overrides, "__module__": __name__},
+        {"config_overrides": config_overrides, "family_fields": FAMILY_FIELDS[family], "__module__": __name__},
     )
     return case if FAMILIES[family].moe else without_experts(case)
 
