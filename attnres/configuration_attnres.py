@@ -6,9 +6,8 @@ import math
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
 
-from .families import FAMILIES, layer_types, legacy_family
+from .families import FAMILIES, layer_types
 from .transformers_compat import CACHE_NAME
 
 
@@ -25,6 +24,7 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM",
     "AutoModelForSequenceClassification": "modeling_attnres.AttnResForSequenceClassification",
 }
+# Fields with a domain that `AttnResConfig` checks, of those its family has, by kind.
 _BOOL_FIELDS = (
     "use_cache",
     "tie_word_embeddings",
@@ -46,6 +46,7 @@ _POSITIVE_INT_FIELDS = (
     "dwa_period",
     "sinkhorn_iterations",
 )
+_NUMBER_FIELDS = ("initializer_range", "rms_norm_eps", "router_aux_loss_coef", "router_jitter_noise")
 TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
 
 
@@ -65,15 +66,17 @@ class AttnResConfig(PreTrainedConfig):
     residual fields below.
 
     `family` names the Transformers decoder family whose modules the model is built from (`families.py`: `"llama"`,
-    `"qwen3"`, `"gemma3_text"`, `"olmo2"`, `"phi3"`, `"granite"`, ...). Every field of that family's config is a field
-    of this one, with its name, meaning and default derivation (Gemma 3's `layer_types`, Qwen2's window), so the
-    family's modules read this config as their own and Transformers' caches and masks see the family's layout. The
-    fields listed in the class are Llama's and Mixtral's, the default family: a dense model, or Mixtral's MoE when
-    `num_local_experts > 0`. A config saved without `family` is read as the family its fields imply (Mixtral for
-    experts, Qwen2 for `qkv_bias`, Mistral for a window, else Llama).
+    `"qwen3"`, `"gemma3_text"`, `"olmo2"`, `"phi3"`, `"granite"`, ...; Llama by default). The config holds that
+    family's config fields, under its names (and aliases: Mixtral's `num_experts`), with its defaults and default
+    derivations (Gemma 3's `layer_types`, Qwen2's window), and no other family's: a Llama config has no
+    `sliding_window`, a dense one no expert or router field. So the family's modules read it as their own, and
+    tools that probe a config's attributes (Transformers' tests and caches, TRL, PEFT, vLLM) treat the model as one
+    of the family. Only the fields below are this class's own; the family's are passed by name.
 
-    `qkv_bias=True` (of configs saved before `family`) means Qwen2: a bias on the query, key and value projections
-    only, where `attention_bias=True` puts one on all four attention projections (Llama's).
+    A config saved without `family` is read as the family its fields imply (Mixtral for experts, Qwen2 for
+    `qkv_bias`, Mistral for a window, else Llama): such configs hold every field of Llama's and Mixtral's, and the
+    ones the family has not are dropped where they keep their defaults (`qkv_bias=True` means Qwen2: a bias on the
+    query, key and value projections only, where `attention_bias=True` puts one on all four).
 
     Residual fields:
         residual_mode (`str`, defaults to `"block"`):
@@ -120,7 +123,6 @@ class AttnResConfig(PreTrainedConfig):
 
     model_type = "attnres"
     keys_to_ignore_at_inference = [CACHE_NAME]
-    attribute_map = {"num_experts": "num_local_experts"}
 
     # Pipeline stages split only at the embedding and the final norm: the decoder layers pass on the whole depth
     # state, not one `hidden_states` tensor.
@@ -129,36 +131,6 @@ class AttnResConfig(PreTrainedConfig):
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
-    # Llama fields
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    use_cache: bool = True
-    pad_token_id: int | None = None
-    bos_token_id: int | None = 1
-    eos_token_id: int | list[int] | None = 2
-    tie_word_embeddings: bool = False
-    rope_parameters: RopeParameters | dict | None = None
-    attention_bias: bool = False
-    qkv_bias: bool = False
-    attention_dropout: float = 0.0
-    mlp_bias: bool = False
-    sliding_window: int | None = None
-    # Mixtral fields (num_local_experts = 0 gives a dense MLP)
-    num_local_experts: int = 0
-    num_experts_per_tok: int = 2
-    router_aux_loss_coef: float = 0.001
-    output_router_logits: bool = False
-    router_jitter_noise: float = 0.0
-    # AttnRes fields
     family: str | None = None
     residual_mode: str = "block"
     block_size: int | None = None
@@ -174,55 +146,50 @@ class AttnResConfig(PreTrainedConfig):
     sinkhorn_iterations: int = 20
 
     def __post_init__(self, **kwargs):
-        # The defaults below are derived from these, so they are checked first.
-        for field in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
-            self._check_positive_int(field)
-        self._check_int_range("num_local_experts", 0, math.inf, "0 (a dense MLP) or a positive number of experts")
-        if self.family is None:  # saved before configs named their family: read as the Llama superset it was
-            self.family = legacy_family(self)
-            if self.family == "qwen2" and self.sliding_window is not None:  # the window was on in every layer
-                kwargs = {"use_sliding_window": True, "max_window_layers": 0, **kwargs}
-            if self.rope_parameters is None and not {"rope_theta", "rope_scaling"} & kwargs.keys():
-                self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}  # Llama's, not Mixtral's
-        if self.head_dim is None:
-            if self.hidden_size % (2 * self.num_attention_heads):
-                self._fail(
-                    "hidden_size",
-                    f"a multiple of 2 * num_attention_heads = {2 * self.num_attention_heads} (head_dim = hidden_size / "
-                    "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim",
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
+        """Every argument but the residual fields is the family's: its own config is built from them (with this
+        config's `PreTrainedConfig` fields), running its derivations and `PreTrainedConfig.__post_init__`, and this
+        config takes its whole state. Given values are checked first, so that a bad one is named here, not by the
+        family's config."""
+        if self.family is None:  # saved before configs named their family
+            self.family, kwargs = _legacy_reading(kwargs)
+        if self.family not in FAMILIES:
+            self._fail("family", "one of " + ", ".join(repr(name) for name in FAMILIES))
+        family_config = FAMILIES[self.family].config_class
+        # The family's aliases (Mixtral's `num_experts` for `num_local_experts`), which `PreTrainedConfig` resolves on
+        # every attribute read and write through `attribute_map`, found on the instance before the class.
+        vars(self)["attribute_map"] = dict(family_config.attribute_map)
+        kwargs = self._without_other_families_fields(family_config, kwargs)
+        given = {name: kwargs[name] for name in _declared_fields(family_config) & kwargs.keys()}
+        for name, value in {**_field_defaults(family_config), **given}.items():
+            setattr(self, name, value)  # through the family's aliases
+        self._check_fields()
+        shared = {field.name: getattr(self, field.name) for field in dataclasses.fields(PreTrainedConfig)}
+        vars(self).update(vars(family_config(**shared, **kwargs)))
         if self.block_size is None:
             self.block_size = 2 * layers_per_block(self.num_hidden_layers)
-        self._check_own_fields()  # before the family's config, whose checks would not name this config's field
-        kwargs = self._adopt_family_fields(kwargs)
         # An attribute, not a property: Transformers < 5.20 extends it for tied embeddings.
         self.base_model_tp_plan = dict(FAMILIES[self.family].tp_plan)
-        super().__post_init__(**kwargs)
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
-        self._check_family_fields()
+        self._check_fields()
 
-    def _adopt_family_fields(self, kwargs: dict) -> dict:
-        """Build the family's own config from this one's values and the family's fields among `kwargs`, and take every
-        field the family declares from it: what the family derives (Gemma 3's `layer_types` and per-type RoPE,
-        Qwen2's window off unless `use_sliding_window`) is derived as the family does. Returns the other kwargs."""
-        family_class = FAMILIES[self.family].config_class
-        names = [name for name in _declared_fields(family_class) if name not in _GENERIC_FIELDS]
-        given = {name: getattr(self, name) for name in names if name not in kwargs and hasattr(self, name)}
-        source = family_class(**given, **{key: value for key, value in kwargs.items() if key not in _GENERIC_FIELDS})
-        for name in names:
-            setattr(self, name, getattr(source, name))
-        return {key: value for key, value in kwargs.items() if key not in names}
+    def to_dict(self) -> dict:
+        """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""
+        output = super().to_dict()
+        output.pop("attribute_map", None)
+        return output
 
-    def to_diff_dict(self) -> dict:
-        """What `save_pretrained` writes: the fields that differ from a default config, and every field the family
-        declares, whose defaults differ from family to family (Mixtral's RoPE base is not Llama's), so that a reload
-        never falls back on another family's default."""
-        family_fields = set(_declared_fields(FAMILIES[self.family].config_class)) - _GENERIC_FIELDS
-        everything = self.to_dict()
-        return {**super().to_diff_dict(), **{name: everything[name] for name in family_fields if name in everything}}
+    def _without_other_families_fields(self, family_config: type[PreTrainedConfig], kwargs: dict) -> dict:
+        """`kwargs` without the fields of Llama's and Mixtral's configs (which configs of every family held before
+        each was its family's) that `family_config` does not have, where they keep their defaults; another value is
+        refused, for it would change the model in a family with no such field."""
+        declared = _declared_fields(family_config)
+        for name, default in _SUPERSET_DEFAULTS.items():
+            if name in kwargs and name not in declared and kwargs[name] != default:
+                raise ValueError(
+                    f"AttnResConfig.{name}={kwargs[name]!r}: must be {default!r}: family {self.family!r} has no such "
+                    "field"
+                )
+        return {name: value for name, value in kwargs.items() if name in declared or name not in _SUPERSET_DEFAULTS}
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -248,13 +215,9 @@ class AttnResConfig(PreTrainedConfig):
         return 1 if self.residual_mode == "full" else self.block_size
 
     @property
-    def is_moe(self) -> bool:
-        return self.num_local_experts > 0
-
-    @property
     def base_model_ep_plan(self) -> dict[str, str] | None:
-        """The MoE family's expert-parallel plan; a dense config has no experts to place."""
-        return FAMILIES[self.family].ep_plan if self.is_moe else None
+        """The MoE family's expert-parallel plan; a dense family has no experts to place."""
+        return FAMILIES[self.family].ep_plan
 
     def _fail(self, field: str, allowed: str) -> None:
         raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r}: must be {allowed}")
@@ -273,41 +236,52 @@ class AttnResConfig(PreTrainedConfig):
             self._fail(field, f"a number >= {low}" if high == math.inf else f"a probability in [{low}, {high}]")
 
     def _check_fields(self) -> None:
-        """Every field with a domain; a bad one raises a one-line `ValueError` naming it, its value and what is
-        allowed."""
-        self._check_own_fields()
-        self._check_family_fields()
-
-    def _check_own_fields(self) -> None:
-        if self.family not in FAMILIES:
-            self._fail("family", "one of " + ", ".join(repr(name) for name in FAMILIES))
-        for field in _BOOL_FIELDS:
-            if not isinstance(getattr(self, field), bool):
+        """Every field with a domain, of those the family has; a bad one raises a one-line `ValueError` naming it, its
+        value and what is allowed. Runs on the given values before the family's config derives the others (a
+        `head_dim`, `num_key_value_heads` or `block_size` still `None` is derived later), and on the result."""
+        present = [name for name in _BOOL_FIELDS + _POSITIVE_INT_FIELDS + _NUMBER_FIELDS if hasattr(self, name)]
+        for field in present:
+            if field in _BOOL_FIELDS and not isinstance(getattr(self, field), bool):
                 self._fail(field, "a bool (True or False)")
-        for field in _POSITIVE_INT_FIELDS:
-            self._check_positive_int(field)
-        for field in ("initializer_range", "rms_norm_eps", "router_aux_loss_coef", "router_jitter_noise"):
-            self._check_number(field, 0)
+            elif field in _POSITIVE_INT_FIELDS:
+                self._check_positive_int(field)
+            elif field in _NUMBER_FIELDS:
+                self._check_number(field, 0)
         self._check_number("attention_dropout", 0, 1)
         if self.residual_mode not in RESIDUAL_MODES + COMPARISON_MODES:
             self._fail("residual_mode", "one of " + " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
         if self.depth_kernel not in ("auto", "reference"):
             self._fail("depth_kernel", "'auto' | 'reference'")
-        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
-            self._fail("hidden_act", "the name of a Transformers activation, e.g. 'silu' or 'gelu'")
-        sublayers = self.num_sublayers
-        self._check_int_range("block_size", 1, sublayers, f"an integer from 1 to 2 * num_hidden_layers = {sublayers}")
+        for field in ("hidden_act", "hidden_activation"):  # Gemma 2 and 3 name it the second way
+            activation = getattr(self, field, "silu")
+            if not isinstance(activation, str) or activation not in ACT2FN:
+                self._fail(field, "the name of a Transformers activation, e.g. 'silu' or 'gelu'")
+        if self.block_size is not None:
+            sublayers = self.num_sublayers
+            allowed = f"an integer from 1 to 2 * num_hidden_layers = {sublayers}"
+            self._check_int_range("block_size", 1, sublayers, allowed)
         heads = self.num_attention_heads
-        self._check_int_range("num_key_value_heads", 1, heads, f"a positive divisor of num_attention_heads = {heads}")
-        if heads % self.num_key_value_heads:
-            self._fail("num_key_value_heads", f"a positive divisor of num_attention_heads = {heads}")
-        if not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
+        if self.num_key_value_heads is not None:
+            allowed = f"a positive divisor of num_attention_heads = {heads}"
+            self._check_int_range("num_key_value_heads", 1, heads, allowed)
+            if heads % self.num_key_value_heads:
+                self._fail("num_key_value_heads", allowed)
+        if getattr(self, "head_dim", None) is None:  # the family's modules take hidden_size / num_attention_heads
+            if self.hidden_size % (2 * heads):
+                self._fail(
+                    "hidden_size",
+                    f"a multiple of 2 * num_attention_heads = {2 * heads} (head_dim = hidden_size / "
+                    "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim",
+                )
+        elif not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
             self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
-        self._check_int_range("num_local_experts", 0, math.inf, "0 (a dense MLP) or a positive number of experts")
-        if self.is_moe:
-            experts = self.num_local_experts
-            allowed = f"an integer from 1 to num_local_experts = {experts}"
-            self._check_int_range("num_experts_per_tok", 1, experts, allowed)
+        if FAMILIES[self.family].moe:
+            experts = _experts_field(self)
+            self._check_positive_int(experts)
+            allowed = f"an integer from 1 to {experts} = {getattr(self, experts)}"
+            self._check_int_range("num_experts_per_tok", 1, getattr(self, experts), allowed)
+        if "sliding_attention" in layer_types(self):
+            self._check_int_range("sliding_window", 1, math.inf, "a positive integer: layer_types has windowed layers")
         if self.depth_ablation is not None and (
             self.depth_ablation not in DEPTH_ABLATIONS or self.residual_mode not in ("full", "block")
         ):
@@ -317,29 +291,66 @@ class AttnResConfig(PreTrainedConfig):
             self._fail("depth_heads", f"a positive divisor of hidden_size = {self.hidden_size}")
         self._check_int_range("hc_streams", 2, math.inf, "an integer >= 2 (one stream is the plain residual)")
 
-    def _check_family_fields(self) -> None:
-        """The Llama-superset fields this class declares must mean something in the family: a value other than the
-        default is refused where the family's config has no such field (an MoE in a dense family, a bias or a window
-        its attention does not have)."""
-        if "sliding_attention" in layer_types(self):
-            self._check_int_range("sliding_window", 1, math.inf, "a positive integer: layer_types has windowed layers")
-        declared = set(_declared_fields(FAMILIES[self.family].config_class))
-        for field, default in (("attention_bias", False), ("mlp_bias", False), ("sliding_window", None)):
-            if getattr(self, field) != default and field not in declared:
-                self._fail(field, f"{default!r}: family {self.family!r} has no such field")
-        if self.is_moe and not FAMILIES[self.family].moe:
-            self._fail("num_local_experts", f"0: family {self.family!r} has no experts")
-        if self.qkv_bias and self.family != "qwen2" and "qkv_bias" not in declared:
-            self._fail("qkv_bias", f"False: it means family 'qwen2', and family is {self.family!r}")
+
+# The fields of Llama's and Mixtral's configs, with their defaults, that every config held, whatever its family, before
+# each was its family's: a family without one drops it at this default (`_without_other_families_fields`).
+_SUPERSET_DEFAULTS = {
+    "attention_bias": False,
+    "mlp_bias": False,
+    "qkv_bias": False,
+    "sliding_window": None,
+    "num_local_experts": 0,
+    "num_experts": 0,  # the old class's alias of `num_local_experts`
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+    "router_jitter_noise": 0.0,
+}
 
 
-def _declared_fields(config_class: type) -> list[str]:
-    """The fields a config class declares, and the names its `attribute_map` gives them."""
-    return [field.name for field in dataclasses.fields(config_class)] + list(config_class.attribute_map)
+def _legacy_reading(kwargs: dict) -> tuple[str, dict]:
+    """The family of a config saved before configs named one, and its arguments as that family reads them: the
+    Llama-superset fields it set decide (Mixtral for experts, Qwen2 for `qkv_bias`, Mistral for a window)."""
+    if (kwargs.get("num_local_experts") or kwargs.get("num_experts") or 0) > 0:
+        family = "mixtral"
+    elif kwargs.get("qkv_bias"):
+        family = "qwen2"
+        kwargs = {name: value for name, value in kwargs.items() if name != "qkv_bias"}  # Qwen2's attention has it
+        if kwargs.get("sliding_window") is not None:  # the window was on in every layer
+            kwargs = {"use_sliding_window": True, "max_window_layers": 0, **kwargs}
+    else:
+        family = "mistral" if kwargs.get("sliding_window") is not None else "llama"
+    if kwargs.get("rope_parameters") is None and not {"rope_theta", "rope_scaling"} & kwargs.keys():
+        # Llama's, not Mixtral's
+        kwargs = {**kwargs, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    return family, kwargs
+
+
+def _declared_fields(config_class: type[PreTrainedConfig]) -> set[str]:
+    """The fields a config class declares beside `PreTrainedConfig`'s, and both names of its aliases (Qwen3-MoE holds
+    its `num_experts` field as `num_local_experts`)."""
+    aliases = config_class.attribute_map
+    fields = {field.name for field in dataclasses.fields(config_class)} - _SHARED_FIELDS
+    return fields | set(aliases) | set(aliases.values())
+
+
+def _field_defaults(config_class: type[PreTrainedConfig]) -> dict:
+    """The defaults of the fields a config class declares beside `PreTrainedConfig`'s."""
+    return {
+        field.name: field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        for field in dataclasses.fields(config_class)
+        if field.name not in _SHARED_FIELDS
+    }
+
+
+def _experts_field(config: PreTrainedConfig) -> str:
+    """The name an MoE family's config holds its number of experts under (Mixtral's, Qwen3-MoE's
+    `num_local_experts`; Qwen2-MoE's `num_experts`)."""
+    return "num_local_experts" if "num_local_experts" in vars(config) else "num_experts"
 
 
 # Fields every config has, which no family defines differently.
-_GENERIC_FIELDS = frozenset(field.name for field in dataclasses.fields(PreTrainedConfig))
+_SHARED_FIELDS = frozenset(field.name for field in dataclasses.fields(PreTrainedConfig))
 
 
 def _is_int(value: object) -> bool:

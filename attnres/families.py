@@ -163,15 +163,6 @@ FAMILIES = {
 }
 
 
-def legacy_family(config) -> str:
-    """The family of a config saved before configs named one: the Llama-superset fields it set decide."""
-    if config.num_local_experts > 0:
-        return "mixtral"
-    if config.qkv_bias:
-        return "qwen2"
-    return "mistral" if config.sliding_window is not None else "llama"
-
-
 def layer_types(config) -> list[str]:
     """Each decoder layer's attention type, as the family's model picks its mask: the config's `layer_types` where the
     family has them, else every layer windowed when the config sets a window (Mistral, Mixtral, Phi-3), else none."""

@@ -502,7 +502,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
-        output_router_logits = self.config.is_moe and (
+        output_router_logits = self.family.moe and (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         outputs: MoeModelOutputWithPast = self.model(
@@ -526,7 +526,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         aux_loss = None
         if output_router_logits:
             aux_loss = self.family.modeling.load_balancing_loss_func(
-                outputs.router_logits, self.config.num_local_experts, self.config.num_experts_per_tok, attention_mask
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
             )
             if labels is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)

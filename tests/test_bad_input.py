@@ -194,9 +194,14 @@ CASES = {
         "AttnResConfig.exact_retrofit='yes': must be a bool (True or False)",
     ),
     "config router_aux_loss_coef": Case(
-        lambda f: AttnResConfig(router_aux_loss_coef=-1),
+        lambda f: AttnResConfig(family="mixtral", router_aux_loss_coef=-1),
         ValueError,
         "AttnResConfig.router_aux_loss_coef=-1: must be a number >= 0",
+    ),
+    "config field of another family": Case(
+        lambda f: AttnResConfig(family="llama", num_local_experts=4),
+        ValueError,
+        "AttnResConfig.num_local_experts=4: must be 0: family 'llama' has no such field",
     ),
     "config hidden_size and heads": Case(
         lambda f: AttnResConfig(hidden_size=30, num_attention_heads=4),

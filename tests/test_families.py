@@ -4,6 +4,7 @@
 source's, a Trainer step runs with LoRA on the family's projection names, and the converted folder's remote code
 loads where attnres is not installed."""
 
+import dataclasses
 import inspect
 import json
 import subprocess
@@ -15,10 +16,18 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    MixtralConfig,
+    PreTrainedConfig,
+    Qwen3MoeConfig,
+    Trainer,
+    TrainingArguments,
+)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from attnres import AttnResForCausalLM
+from attnres import AttnResConfig, AttnResForCausalLM
 from attnres_cli import main
 from attnres.conversion import ConversionError, convert
 from attnres.conversion.architectures import attnres_config
@@ -55,22 +64,64 @@ def test_llama_norm_is_true_exactly_where_the_family_copies_llamas_rmsnorm(model
     assert family.llama_norm == same_code
 
 
+# The fields `AttnResConfig` declares itself, and the one it adds for remote code.
+RESIDUAL_FIELDS = {field.name for field in dataclasses.fields(AttnResConfig)} - {
+    field.name for field in dataclasses.fields(PreTrainedConfig)
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_config_is_the_familys_plus_the_residual_fields(case, tmp_path):
+    """An AttnRes config of family F holds F's config (every field, its value, nothing of another family) and the
+    residual fields, in memory and as saved, and reloads through `AutoConfig` to the same."""
+    model_type, fields = CASES[case]
+    family_config = AutoConfig.for_model(model_type, **COMMON, **fields)
+    config = AttnResConfig(family=model_type, **COMMON, **fields)
+    expected, actual = family_config.to_dict(), config.to_dict()
+    assert actual.keys() - expected.keys() == RESIDUAL_FIELDS | {"auto_map"}
+    assert expected.keys() <= actual.keys()
+    assert {name: actual[name] for name in expected if name != "model_type"} == {
+        name: value for name, value in expected.items() if name != "model_type"
+    }
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved.keys() - RESIDUAL_FIELDS - {"auto_map"} == family_config.to_diff_dict().keys()
+    reloaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(reloaded) is AttnResConfig and reloaded.to_diff_dict() == saved
+    assert AttnResConfig.from_dict(saved).to_diff_dict() == saved
+
+
+def test_a_family_has_its_own_moe_fields_and_no_other():
+    """Attribute probes see the family: TRL turns its MoE auxiliary loss on where `output_router_logits` exists,
+    Transformers' common tests set `sliding_window` where it exists."""
+    dense = AttnResConfig()
+    for name in ("sliding_window", "output_router_logits", "num_local_experts", "num_experts", "qkv_bias"):
+        assert not hasattr(dense, name), name
+    mixtral = AttnResConfig(family="mixtral", num_local_experts=4)
+    assert mixtral.num_experts == mixtral.num_local_experts == 4  # Mixtral's alias
+    assert (mixtral.output_router_logits, mixtral.router_aux_loss_coef) == (False, MixtralConfig().router_aux_loss_coef)
+    qwen3_moe = AttnResConfig(family="qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    assert qwen3_moe.num_experts == 4 and qwen3_moe.to_dict()["num_local_experts"] == 4  # as Qwen3-MoE stores it
+    assert qwen3_moe.moe_intermediate_size == Qwen3MoeConfig().moe_intermediate_size
+    assert not hasattr(AttnResConfig(family="qwen3"), "num_experts")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_standard_mode_equals_the_family_bit_for_bit(case):
     source = source_model(case)
     config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
-    config.output_router_logits = getattr(source.config, "output_router_logits", False)
+    moe = FAMILIES[config.family].moe
     model = AttnResForCausalLM(config).eval()
     assert model.config._attn_implementation == source.config._attn_implementation
     assert set(model.state_dict()) == set(source.state_dict())  # the family's names, nothing added
     model.load_state_dict(source.state_dict())
     ids, mask = padded_batch()
     with torch.no_grad():
-        expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=config.is_moe)
-        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=config.is_moe)
+        expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=moe)
+        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=moe)
     assert torch.equal(actual.logits, expected.logits)
     assert torch.equal(actual.loss, expected.loss)  # the router's load-balancing loss included
-    if config.is_moe:
+    if moe:
         assert torch.equal(actual.aux_loss, expected.aux_loss)
 
 

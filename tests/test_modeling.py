@@ -874,18 +874,21 @@ def test_device_map_auto_loads_and_matches(tmp_path):
         ("num_hidden_layers", -1, "positive integer"),
         ("rms_norm_eps", -1.0, ">= 0"),
         ("attention_dropout", 1.5, "[0, 1]"),
-        ("num_local_experts", -2, "positive number of experts"),
+        ("num_local_experts", -2, "positive integer"),
         ("num_experts_per_tok", 5, "from 1 to num_local_experts"),
         ("router_jitter_noise", -0.1, ">= 0"),
         ("sliding_window", 0, "positive integer"),
+        ("sliding_window", 4, "must be None: family 'llama' has no such field"),
         ("depth_kernel", "cuda", "'auto' | 'reference'"),
         ("head_dim", 7, "even integer"),
     ],
 )
 def test_invalid_config_field_raises_naming_it(field, value, message):
     overrides = {field: value}
-    if field == "num_experts_per_tok":
-        overrides["num_local_experts"] = 4
+    if field in ("num_local_experts", "num_experts_per_tok", "router_jitter_noise"):
+        overrides = {"family": "mixtral", "num_local_experts": 4, **overrides}
+    elif field == "sliding_window":  # a window of 0 in the family that has one, any in one that has none
+        overrides["family"] = "mistral" if value == 0 else "llama"
     with pytest.raises(ValueError) as error:
         tiny_config(**overrides)
     assert f"AttnResConfig.{field}=" in str(error.value)

@@ -203,6 +203,8 @@ def test_checkpoints_saved_by_an_earlier_version_give_the_same_logits(checkpoint
     expected = torch.load(FIXTURES / "expected_logits.pt")
     model = AttnResForCausalLM.from_pretrained(FIXTURES / checkpoint).eval()
     assert model.config.block_size == 1
+    assert model.config.family == "llama" and not hasattr(model.config, "sliding_window")
+    assert not hasattr(model.config, "output_router_logits") and not hasattr(model.config, "num_local_experts")
     with torch.no_grad():
         assert (model(expected["ids"]).logits - expected[checkpoint]).abs().max().item() <= 1e-6
 
@@ -241,5 +243,7 @@ def test_checkpoints_saved_before_families_load_as_the_family_their_fields_imply
     expected = torch.load(BEFORE_FAMILIES / "expected_logits.pt")
     model = AttnResForCausalLM.from_pretrained(BEFORE_FAMILIES / checkpoint).eval()
     assert model.config.family == family
+    # The Llama and Mixtral fields every such config holds, where the family has none: dropped at their defaults.
+    assert not {"attention_bias", "mlp_bias", "qkv_bias"} & set(model.config.to_dict())
     with torch.no_grad():
         assert (model(expected["ids"]).logits - expected[checkpoint]).abs().max().item() <= 1e-6

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from attnres import AttnResForCausalLM
+from attnres.families import FAMILIES
 from attnres.training import (
     AttnResTrainer,
     demo_retrofit,
@@ -575,7 +576,7 @@ def test_tensor_parallel_logits_equal_one_process(tmp_path, overrides):
 
     sublayers = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    sublayers += experts if model.config.is_moe else ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    sublayers += experts if FAMILIES[model.config.family].moe else ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     for expected in (f"model.layers.{i}.{name}" for i in range(model.config.num_hidden_layers) for name in sublayers):
         assert any(name.startswith(expected) for name in sharded["sharded"]), (expected, sharded["sharded"])
     assert not any("residual" in name for name in sharded["sharded"])

@@ -1,11 +1,12 @@
-"""Transformers' common model tests, run on AttnRes the way Transformers runs them on Llama and Mixtral.
+"""Transformers' common model tests, run on AttnRes the way Transformers runs them on each decoder family.
 
 `ModelTesterMixin` and `ConfigTester` come from the installed Transformers version's own test files
-(`tests/transformers_common.py` says where and what stands in for the files its sdist lacks). Each variant covers one
-code path of the decoder: Block AttnRes (two-phase depth attention with blocks), Full AttnRes on MoE layers, and the
-standard PreNorm residual.
+(`tests/transformers_common.py` says where and what stands in for the files its sdist lacks). Block AttnRes (two-phase
+depth attention with blocks) runs on every row of the family table; Full AttnRes and the standard residual on Llama
+and Qwen3, and Full AttnRes on Mixtral's MoE layers.
 """
 
+import dataclasses
 import unittest
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from transformers.models.auto import modeling_auto
 
 from attnres import AttnResConfig, AttnResForCausalLM, AttnResForSequenceClassification, AttnResModel
+from attnres.families import FAMILIES, Family
 
 from transformers_common import GenerationTesterMixin, import_common_tests
 
@@ -57,6 +59,11 @@ class AttnResModelTester:
         self.num_labels = 3
         self.pad_token_id = 0
         self.config_overrides = config_overrides
+        # The head size goes to the families whose config declares one, as Transformers' `CausalLMModelTester` passes
+        # it (where it stays None, Mixtral's rotary scaling functions read None).
+        family_config = FAMILIES[config_overrides.get("family", "llama")].config_class
+        if "head_dim" in {field.name for field in dataclasses.fields(family_config)}:
+            self.config_overrides = {"head_dim": self.hidden_size // self.num_attention_heads, **config_overrides}
 
     def get_config(self) -> AttnResConfig:
         return AttnResConfig(
@@ -83,42 +90,83 @@ class AttnResCommonTests(ModelTesterMixin, GenerationTesterMixin):
     all_model_classes = (AttnResModel, AttnResForCausalLM, AttnResForSequenceClassification)
     # `_init_weights` initialises every parameter (the pseudo-queries to zero), so the missing-weights test applies.
     test_can_init_all_missing_weights_before_2023 = True
-    config_overrides: dict = {}
+    config_overrides: dict = {}  # the family and the residual fields
+    family_fields: dict = {}  # the family's fields that the tiny model needs (its MoE in small)
 
     def setUp(self):
-        self.model_tester = AttnResModelTester(self, **self.config_overrides)
+        self.model_tester = AttnResModelTester(self, **self.config_overrides, **self.family_fields)
         # Llama's tester uses hidden_size=37 with Llama's 32 heads (head_dim 1); AttnResConfig refuses an odd head_dim
         # (rotary embeddings rotate pairs of channels), so the config tests get a shape it accepts.
         self.config_tester = ConfigTester(
-            self, config_class=AttnResConfig, hidden_size=40, num_attention_heads=4, **self.config_overrides
+            self,
+            config_class=AttnResConfig,
+            hidden_size=40,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **self.config_overrides,
         )
 
     def test_config(self):
         self.config_tester.run_common_tests()
 
 
-def without_experts(cls: type) -> type:
-    """Skips the tests of MoE dispatch in a dense variant: `_can_set_experts_implementation` is a class property, true
-    for the MoE configs, but a dense config builds no experts and no router for the tests to find."""
+def skipping(cls: type, prefixes: tuple[str, ...], reason: str) -> type:
+    """`cls` with the tests whose names start with one of `prefixes` skipped for `reason`. A parameterized test's
+    cases are named `<test>_<case>`: its prefix ends in `_`, so that the function it was expanded from stays
+    uncollected."""
     for name in dir(cls):
-        if name.startswith(("test_eager_matches_batched_and_grouped_inference", "test_output_router_logits")):
-            skip = unittest.skip("dense config: no experts or router (the MoE variant runs this)")
-            setattr(cls, name, skip(getattr(cls, name)))
+        if name.startswith(prefixes):
+            setattr(cls, name, unittest.skip(reason)(getattr(cls, name)))
     return cls
 
 
-# Three families: the tests set `sliding_window` on any config that has the field, which Llama's has not, so the
-# dense variants are Qwen3 (q/k norms; its layers stay full unless `use_sliding_window`) and Mistral (Llama's decoder
-# with a window), and the MoE one Mixtral.
-@without_experts
-class AttnResBlockModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(family="qwen3", residual_mode="block", block_size=2)
+def family_skips(cls: type, family: Family) -> type:
+    """The common tests that read what the family's own model class or test class decides, where AttnRes holds it per
+    config: the tests read these class attributes from AttnRes's classes, which serve every family."""
+    if not family.moe:  # `_can_set_experts_implementation` is true for the model class; a dense config has no experts
+        reason = "dense config: no experts or router (the MoE variants run this)"
+        cls = skipping(cls, ("test_eager_matches_batched_and_grouped_inference_",), reason)
+    if not family.cls("PreTrainedModel")._supports_sdpa:  # the test's own skip, for the family's model (Gemma 2)
+        reason = f"{family.prefix}Model does not support SDPA"
+        cls = skipping(cls, ("test_sdpa_can_dispatch_non_composite_models",), reason)
+    if family.rotary_per_layer_type:
+        # The generic RoPE-scaling tests set one flat `rope_parameters`, which a rotary embedding with bases per
+        # attention type (Gemma 3, OLMo 3) does not read: the family's own model fails them the same way, and its test
+        # class replaces them with versions of its own.
+        reason = f"{family.prefix}'s RoPE has bases per layer type, which the generic RoPE-scaling tests do not set"
+        cls = skipping(cls, ("test_model_rope_scaling_frequencies", "test_model_rope_scaling_from_config_"), reason)
+    return cls
 
 
-class AttnResFullMoeModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(family="mixtral", residual_mode="full", num_local_experts=4, num_experts_per_tok=2)
+# The MoE families' experts, in small; the other families' defaults fit the tester's shape.
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_FIELDS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, **MOE),
+    "qwen3_moe": dict(num_experts=4, **MOE),
+}
+assert MOE_FIELDS.keys() == {name for name, family in FAMILIES.items() if family.moe}
 
 
-@without_experts
-class AttnResStandardModelTest(AttnResCommonTests, unittest.TestCase):
-    config_overrides = dict(family="mistral", residual_mode="standard")
+def common_test_case(family: str, residual_mode: str) -> type:
+    """The common tests on one family in one residual mode (Block with blocks of one decoder layer)."""
+    config_overrides = dict(family=family, residual_mode=residual_mode)
+    if residual_mode == "block":
+        config_overrides["block_size"] = 2
+    case = type(
+        f"AttnRes{residual_mode.title()}{FAMILIES[family].prefix}ModelTest",
+        (AttnResCommonTests, unittest.TestCase),
+        {"config_overrides": config_overrides, "family_fields": MOE_FIELDS.get(family, {}), "__module__": __name__},
+    )
+    return family_skips(case, FAMILIES[family])
+
+
+# Block AttnRes on every family; Full AttnRes and the standard residual on Llama and Qwen3 (q/k norms), and Full
+# AttnRes on MoE layers (Mixtral).
+VARIANTS = [(family, "block") for family in FAMILIES] + [
+    (family, mode) for mode in ("full", "standard") for family in ("llama", "qwen3")
+] + [("mixtral", "full")]
+for family, residual_mode in VARIANTS:
+    case = common_test_case(family, residual_mode)
+    globals()[case.__name__] = case
+del case

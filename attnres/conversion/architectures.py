@@ -120,7 +120,7 @@ class TensorRenamer:
     """
 
     def __init__(self, config: AttnResConfig):
-        self.num_experts = config.num_local_experts
+        self.num_experts = config.num_experts if FAMILIES[config.family].moe else 0
         self.tied = config.tie_word_embeddings
         self._pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
 
@@ -133,7 +133,7 @@ class TensorRenamer:
             return
         layer, index, kind = expert.group(1), int(expert.group(2)), _EXPERT_PART[expert.group(3)]
         if not 0 <= index < self.num_experts:
-            raise ConversionError(f"{name}: expert {index} does not exist (num_local_experts={self.num_experts}).")
+            raise ConversionError(f"{name}: expert {index} does not exist (the config has {self.num_experts} experts).")
         pending = self._pending.setdefault(layer, {})
         pending[kind, index] = tensor
         if len(pending) == 3 * self.num_experts:

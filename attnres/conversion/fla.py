@@ -77,21 +77,28 @@ def attnres_config_from_fla(config: Mapping) -> AttnResConfig:
     if hidden_size % num_heads:
         raise _refuse("num_heads", num_heads, f"must divide hidden_size={hidden_size}")
     rope_theta = config.get("rope_theta", 10000.0)
+    # FLA's Transformer is Llama's decoder with a bias on q, k and v (Qwen2's attention) or a window in every layer
+    # (Mistral's); its head_dim is hidden_size / num_heads, as each of these families derives it.
+    window = config.get("window_size")
+    if config.get("qkv_bias", False):
+        family = dict(family="qwen2", use_sliding_window=window is not None, sliding_window=window, max_window_layers=0)
+    elif window is not None:
+        family = dict(family="mistral", sliding_window=window)
+    else:
+        family = dict(family="llama")
     return AttnResConfig(
+        **family,
         vocab_size=config["vocab_size"],
         hidden_size=hidden_size,
         intermediate_size=fla_intermediate_size(config),
         num_hidden_layers=config["num_hidden_layers"],
         num_attention_heads=num_heads,
         num_key_value_heads=config.get("num_kv_heads") or num_heads,
-        head_dim=hidden_size // num_heads,
         hidden_act="silu",
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         initializer_range=config.get("initializer_range", 0.02),
         rms_norm_eps=config.get("norm_eps", 1e-6),
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        qkv_bias=bool(config.get("qkv_bias", False)),
-        sliding_window=config.get("window_size"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         use_cache=config.get("use_cache", True),
         pad_token_id=config.get("pad_token_id"),
@@ -149,21 +156,21 @@ def check_fla_exportable(config: AttnResConfig, drop_exact_retrofit: bool) -> No
         raise refuse(field, "FLA has Block and Full AttnRes only (residual_mode 'block' or 'full', no ablation)")
     if config.depth_block_size > 1 and config.depth_block_size % 2:
         raise refuse("block_size", "FLA's blocks hold whole layers: the block size must be 1 or even")
-    if config.is_moe:
-        raise refuse("num_local_experts", "FLA's Transformer has a dense MLP only (0 experts)")
     if config.family not in FLA_FAMILIES:
         raise refuse(
             "family", f"FLA's Transformer is a Llama decoder: one of {', '.join(map(repr, FLA_FAMILIES))}"
         )
     if len(set(layer_types(config))) > 1:
         raise refuse("layer_types", "FLA windows every layer or none")
-    if config.head_dim * config.num_attention_heads != config.hidden_size:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
         raise refuse(
             "head_dim",
             f"FLA's is hidden_size / num_attention_heads = {config.hidden_size // config.num_attention_heads}",
         )
-    if config.attention_bias or config.mlp_bias:
-        raise refuse("attention_bias" if config.attention_bias else "mlp_bias", "FLA has biases on q, k, v only")
+    for bias in ("attention_bias", "mlp_bias"):
+        if getattr(config, bias, False):
+            raise refuse(bias, "FLA has biases on q, k, v only")
     if config.hidden_act != "silu":
         raise refuse("hidden_act", "FLA's MLP is SwiGLU ('silu')")
     rope = config.rope_parameters or {}

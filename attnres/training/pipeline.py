@@ -114,7 +114,7 @@ class PipelineLayout(NamedTuple):
             bounds.append(bounds[-1] + per_stage + (stage < remainder))
         layers = tuple(range(start, stop) for start, stop in zip(bounds, bounds[1:]))
         block_size = None if config.residual_mode == "standard" else config.depth_block_size
-        with_aux_loss = config.is_moe and config.output_router_logits
+        with_aux_loss = FAMILIES[config.family].moe and config.output_router_logits
         routers = tuple(i for i, layer in enumerate(model.model.layers) if with_aux_loss and has_router(layer))
         return cls(layers, num_ranks, config.num_sublayers, block_size, routers)
 
@@ -355,7 +355,7 @@ class AttnResStage(nn.Module):
         if not self.layout.router_layers:
             return logits
         aux_loss = FAMILIES[self.config.family].modeling.load_balancing_loss_func(
-            router_logits, self.config.num_local_experts, self.config.num_experts_per_tok, None
+            router_logits, self.config.num_experts, self.config.num_experts_per_tok, None
         )
         return logits, aux_loss.reshape(1)
 
@@ -460,7 +460,7 @@ class PipelineLoss:
 
     def __init__(self, config):
         self.vocab_size = config.vocab_size
-        self.router_aux_loss_coef = config.router_aux_loss_coef
+        self.router_aux_loss_coef = config.router_aux_loss_coef if FAMILIES[config.family].moe else None
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         logits, aux_loss = output if isinstance(output, tuple) else (output, None)
