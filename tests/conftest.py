@@ -106,6 +106,20 @@ def disable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_disable()
 
 
+# What bitsandbytes (installed for tests/test_qlora.py) logs when a process first imports it, through Transformers'
+# Trainer or PEFT, offline on a CPU with AVX-512 BF16: it looks its CPU 4-bit kernel up on the Hub, and the `kernels`
+# package and bitsandbytes each say in one line that it cannot. The machine's notices, not the command's output.
+OFFLINE_KERNEL_NOTICES = (
+    "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
+    "Failed to load CPU gemm_4bit_forward from kernels-community",
+)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The non-empty lines of a process's `stderr`, less bitsandbytes' offline notices (`OFFLINE_KERNEL_NOTICES`)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith(OFFLINE_KERNEL_NOTICES)]
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface."""
     with socket.socket() as probe:

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY_SHAPE
+from conftest import TINY_SHAPE, error_lines
 from test_cli import COMMANDS, run_probe
 
 
@@ -223,7 +223,7 @@ def test_bad_input_is_one_line_and_exit_2(workspace, argv, names, absent, env, l
 
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     prog = f"attnres {argv[0]}" if argv and argv[0] in COMMANDS else "attnres"
     assert lines[0].startswith(f"{prog}: error: "), lines[0]

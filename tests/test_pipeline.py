@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import randomize_depth_parameters, tiny_config
+from conftest import error_lines, randomize_depth_parameters, tiny_config
 from distributed_pipeline import BATCH, CASES, SEQ_LEN, SHAPE, batches, build_model, reference_step
 from family_cases import CASES as FAMILY_CASES
 from family_cases import prompt_ids, source_model
@@ -311,7 +311,7 @@ def test_pretrain_pp_refuses_bad_input_in_one_line_before_starting(arguments, me
     env = {**launcher_env(), "WORLD_SIZE": "2"}
     result = subprocess.run([sys.executable, EXAMPLE, *arguments], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2, result.stderr
-    assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
+    assert len(error_lines(result.stderr)) == 1 and message in result.stderr, result.stderr
 
 
 @pytest.mark.distributed
