@@ -74,9 +74,15 @@ def without_autocast(kernels: DepthKernels, device_type: str) -> DepthKernels:
     return kernels._replace(**{name: exempt(getattr(kernels, name)) for name in OPERATIONS})
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for `device_type`; never for a device without autocast (`meta`, where models are built
+    without memory)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context with autocast off on `device_type` if it is on there (nothing to enter otherwise)."""
-    if torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
@@ -180,7 +186,7 @@ def depth_kernels(
     if override not in SETTINGS:
         raise ValueError(f"ATTNRES_DEPTH_KERNEL={override!r} is invalid: allowed values are {', '.join(SETTINGS)}")
     setting = "reference" if depth_kernel == "reference" else override
-    autocast = torch.is_autocast_enabled(device.type)
+    autocast = autocast_enabled(device.type)
     if torch.compiler.is_compiling():  # dynamo does not trace into the cache; the choice is traced instead
         compiled = compiled_torch_kernels(device, num_blocks, num_queries, eps)
         kernels = _choose(device.type, setting, differentiable, compiled)
