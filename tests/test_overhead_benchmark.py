@@ -95,18 +95,23 @@ def test_each_model_runs_and_times_its_samples_in_a_process_of_its_own():
             processes["standard"].call("decode_step", "unknown-stream", 16)
 
 
+def run_benchmark(tmp_path: Path, workload: str, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m benchmarks.overhead` on the small shape, one round of `workload`, no memory: its run and its JSON."""
+    output = tmp_path / "overhead.json"
+    command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", workload]
+    command += ["--no-memory", "--repeats", "1", *options, "--output", str(output)]
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, json.loads(output.read_text())
+
+
 def test_benchmark_runs_the_workloads_asked_for(tmp_path):
     """`--workloads prefill` times prefills only: the JSON rows hold prefill ratios and no other workload's, and the
     table shows the others as `-`. The baseline runs right before each AttnRes model: as many samples as they have.
     `--instances 2` times two sets of processes, each building every model afresh: the samples of both, and each
     set's own median ratio."""
-    output = tmp_path / "overhead.json"
-    command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "prefill"]
-    command += ["--no-memory", "--repeats", "1", "--seconds", "0", "--instances", "2", "--output", str(output)]
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads(output.read_text())
+    result, results = run_benchmark(tmp_path, "prefill", "--seconds", "0", "--instances", "2")
     rows = results["rows"]
     assert results["instances"] == 2 and result.stderr.count("instance ") == 2
     assert [row["model"] for row in rows] == ["llama", "standard", "block", "full"]
@@ -122,13 +127,7 @@ def test_autocast_runs_every_workload_under_autocast(tmp_path):
     the rows and settings say so."""
     with precision("bf16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    output = tmp_path / "overhead.json"
-    command = [sys.executable, "-m", "benchmarks.overhead", "--shapes", "small", "--workloads", "train"]
-    command += ["--autocast", "bf16", "--no-memory", "--repeats", "1", "--train-seconds", "0", "--output", str(output)]
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads(output.read_text())
+    _, results = run_benchmark(tmp_path, "train", "--train-seconds", "0", "--autocast", "bf16")
     assert results["autocast"] == "bf16"
     assert {row["mode"] for row in results["rows"]} == {"eager, bf16 autocast"}
     assert all(row["train_s"] > 0 for row in results["rows"])
