@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random configs (fast on 2 CPU cores) and helpers to build matching reference models."""
 
+import json
 import os
 import socket
 import subprocess
@@ -118,6 +119,15 @@ OFFLINE_KERNEL_NOTICES = (
 def error_lines(stderr: str) -> list[str]:
     """The non-empty lines of a process's `stderr`, less bitsandbytes' offline notices (`OFFLINE_KERNEL_NOTICES`)."""
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith(OFFLINE_KERNEL_NOTICES)]
+
+
+def run_reporting(command: list[str], cwd: Path, env: dict, timeout: float) -> dict:
+    """Run `command`, a script that prints what it found as JSON on a line `REPORT {...}`, and return that JSON;
+    fail with the end of its output if it fails."""
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    return json.loads(line.removeprefix("REPORT "))
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ checkpoints saved by an earlier version (`tests/fixtures/v0_1_0`) still load and
 The environment without attnres is vLLM's (`scripts/setup_engines.sh`, Transformers 5.19, the same torch).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from attnres import AttnResForCausalLM, AttnResForSequenceClassification
-from conftest import randomize_depth_parameters, tiny_config
+from conftest import randomize_depth_parameters, run_reporting, tiny_config
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -91,17 +90,7 @@ def save_checkpoints(folder: Path, overrides: dict) -> Path:
 
 def run_script(python: str, script: str, folder: Path, env: dict, cwd: Path) -> dict:
     env = {**env, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(folder / "modules")}
-    result = subprocess.run(
-        [python, "-c", script, str(folder), str(folder / "expected.pt")],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
-    return json.loads(line.removeprefix("REPORT "))
+    return run_reporting([python, "-c", script, str(folder), str(folder / "expected.pt")], cwd, env, timeout=600)
 
 
 def assert_remote_and_equal(report: dict, max_diff: float) -> None:

@@ -11,7 +11,6 @@ output and the head's weight, without the model's forward) gives the model's own
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from attnres.conversion import convert
-from conftest import max_diff
+from conftest import max_diff, run_reporting
 from family_cases import COMMON, prompt_ids, save_source
 from trl_runs import RUNS, run_trainers
 
@@ -66,17 +65,8 @@ def run_with_remote_code(folder: Path, output: Path, **options) -> dict:
     arguments = json.dumps(dict(remote_code=True, **options))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATTNRES_DEPTH_KERNEL")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(output / "modules"))
-    result = subprocess.run(
-        [sys.executable, str(TESTS / "trl_runs.py"), str(folder), str(output), arguments],
-        cwd=output,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
-    return json.loads(line.removeprefix("REPORT "))
+    command = [sys.executable, str(TESTS / "trl_runs.py"), str(folder), str(output), arguments]
+    return run_reporting(command, output, env, timeout=1200)
 
 
 def check_report(report: dict, runs: tuple[str, ...], remote_code: bool) -> None:
