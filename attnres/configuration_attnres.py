@@ -4,6 +4,7 @@ be replaced by softmax attention over depth (Kimi Team, "Attention Residuals", a
 import dataclasses
 import math
 
+import transformers
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -46,7 +47,14 @@ _POSITIVE_INT_FIELDS = (
     "dwa_period",
     "sinkhorn_iterations",
 )
-_NUMBER_FIELDS = ("initializer_range", "rms_norm_eps", "router_aux_loss_coef", "router_jitter_noise")
+_NUMBER_FIELDS = (
+    "initializer_range",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "norm_epsilon",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+)
 TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
 
 
@@ -153,7 +161,9 @@ class AttnResConfig(PreTrainedConfig):
         if self.family is None:  # saved before configs named their family
             self.family, kwargs = _legacy_reading(kwargs)
         if self.family not in FAMILIES:
-            self._fail("family", "one of " + ", ".join(repr(name) for name in FAMILIES))
+            families = ", ".join(repr(name) for name in FAMILIES)
+            installed = transformers.__version__
+            self._fail("family", f"one of the families of the installed Transformers {installed}: {families}")
         family_config = FAMILIES[self.family].config_class
         # The family's aliases (Mixtral's `num_experts` for `num_local_experts`), which `PreTrainedConfig` resolves on
         # every attribute read and write through `attribute_map`, found on the instance before the class.
@@ -165,10 +175,14 @@ class AttnResConfig(PreTrainedConfig):
         self._check_fields()
         shared = {field.name: getattr(self, field.name) for field in dataclasses.fields(PreTrainedConfig)}
         vars(self).update(vars(family_config(**shared, **kwargs)))
+        for name, value in _class_settings(family_config).items():
+            vars(self).setdefault(name, value)
         if self.block_size is None:
             self.block_size = 2 * layers_per_block(self.num_hidden_layers)
-        # An attribute, not a property: Transformers < 5.20 extends it for tied embeddings.
-        self.base_model_tp_plan = dict(FAMILIES[self.family].tp_plan)
+        # An attribute, not a property: Transformers < 5.20 extends it for tied embeddings. `None` where the family has
+        # no plan (GPT-2, StableLM), as its own config says.
+        plan = FAMILIES[self.family].tp_plan
+        self.base_model_tp_plan = None if plan is None else dict(plan)
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self._check_fields()
 
@@ -176,6 +190,10 @@ class AttnResConfig(PreTrainedConfig):
         """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""
         output = super().to_dict()
         output.pop("attribute_map", None)
+        if getattr(self, "family", None) in FAMILIES:  # the family's class settings, which its config does not save
+            for name, value in _class_settings(FAMILIES[self.family].config_class).items():
+                if name in output and output[name] == value:
+                    del output[name]
         return output
 
     def _without_other_families_fields(self, family_config: type[PreTrainedConfig], kwargs: dict) -> dict:
@@ -205,8 +223,16 @@ class AttnResConfig(PreTrainedConfig):
         self._check_fields()
 
     @property
+    def _rope_type_labels(self) -> tuple[str, ...] | None:
+        """The family config's names of its RoPE entries where they differ from its layer types (LFM3's attention
+        types beside its convolutions), a class attribute there, which Transformers' RoPE validation and the family's
+        rotary embedding read."""
+        family = FAMILIES.get(self.family)
+        return getattr(family.config_class, "_rope_type_labels", None) if family else None
+
+    @property
     def num_sublayers(self) -> int:
-        """L: every attention and every MLP is its own sublayer."""
+        """L: every token mixer (attention, or a hybrid's linear attention) and every MLP is its own sublayer."""
         return 2 * self.num_hidden_layers
 
     @property
@@ -238,8 +264,13 @@ class AttnResConfig(PreTrainedConfig):
     def _check_fields(self) -> None:
         """Every field with a domain, of those the family has; a bad one raises a one-line `ValueError` naming it, its
         value and what is allowed. Runs on the given values before the family's config derives the others (a
-        `head_dim`, `num_key_value_heads` or `block_size` still `None` is derived later), and on the result."""
+        `head_dim`, `num_key_value_heads`, `block_size` or a hybrid's `layer_types` still `None` is derived
+        later), and on the result."""
         present = [name for name in _BOOL_FIELDS + _POSITIVE_INT_FIELDS + _NUMBER_FIELDS if hasattr(self, name)]
+        # Sizes the family's modules derive where they are None (GPT-Neo's `intermediate_size`, 4 * hidden_size).
+        defaults = _field_defaults(FAMILIES[self.family].config_class)
+        derived = {name for name, default in defaults.items() if default is None}
+        present = [name for name in present if not (name in derived and getattr(self, name) is None)]
         for field in present:
             if field in _BOOL_FIELDS and not isinstance(getattr(self, field), bool):
                 self._fail(field, "a bool (True or False)")
@@ -247,7 +278,13 @@ class AttnResConfig(PreTrainedConfig):
                 self._check_positive_int(field)
             elif field in _NUMBER_FIELDS:
                 self._check_number(field, 0)
-        self._check_number("attention_dropout", 0, 1)
+        if hasattr(self, "attention_dropout"):  # Ernie 4.5's configs have none
+            self._check_number("attention_dropout", 0, 1)
+        if getattr(self, "word_embed_proj_dim", None) not in (None, self.hidden_size):  # OPT's narrower embedding
+            allowed = f"hidden_size = {self.hidden_size}: OPT's projections in and out of the layers are not supported"
+            self._fail("word_embed_proj_dim", allowed)
+        if getattr(self, "use_parallel_residual", False):  # StableLM's variant: attention and MLP read one input
+            self._fail("use_parallel_residual", "False: a parallel residual has no sublayer order to attend over")
         if self.residual_mode not in RESIDUAL_MODES + COMPARISON_MODES:
             self._fail("residual_mode", "one of " + " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
         if self.depth_kernel not in ("auto", "reference"):
@@ -256,12 +293,16 @@ class AttnResConfig(PreTrainedConfig):
             activation = getattr(self, field, "silu")
             if not isinstance(activation, str) or activation not in ACT2FN:
                 self._fail(field, "the name of a Transformers activation, e.g. 'silu' or 'gelu'")
+        family = FAMILIES[self.family]
+        kinds = getattr(self, "layer_types", None)
+        if family.layer_sublayers and kinds is not None and not set(kinds) <= family.layer_sublayers.keys():
+            self._fail("layer_types", "a list of " + " | ".join(repr(kind) for kind in family.layer_sublayers))
         if self.block_size is not None:
             sublayers = self.num_sublayers
             allowed = f"an integer from 1 to 2 * num_hidden_layers = {sublayers}"
             self._check_int_range("block_size", 1, sublayers, allowed)
         heads = self.num_attention_heads
-        if self.num_key_value_heads is not None:
+        if getattr(self, "num_key_value_heads", None) is not None:  # GPT-2's heads are all query and key heads
             allowed = f"a positive divisor of num_attention_heads = {heads}"
             self._check_int_range("num_key_value_heads", 1, heads, allowed)
             if heads % self.num_key_value_heads:
@@ -275,11 +316,11 @@ class AttnResConfig(PreTrainedConfig):
                 )
         elif not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
             self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
-        if FAMILIES[self.family].moe:
-            experts = _experts_field(self)
+        if family.moe:
+            experts = family.moe.experts
             self._check_positive_int(experts)
             allowed = f"an integer from 1 to {experts} = {getattr(self, experts)}"
-            self._check_int_range("num_experts_per_tok", 1, getattr(self, experts), allowed)
+            self._check_int_range(family.moe.top_k, 1, getattr(self, experts), allowed)
         if "sliding_attention" in layer_types(self):
             self._check_int_range("sliding_window", 1, math.inf, "a positive integer: layer_types has windowed layers")
         if self.depth_ablation is not None and (
@@ -343,10 +384,20 @@ def _field_defaults(config_class: type[PreTrainedConfig]) -> dict:
     }
 
 
-def _experts_field(config: PreTrainedConfig) -> str:
-    """The name an MoE family's config holds its number of experts under (Mixtral's, Qwen3-MoE's
-    `num_local_experts`; Qwen2-MoE's `num_experts`)."""
-    return "num_local_experts" if "num_local_experts" in vars(config) else "num_experts"
+def _class_settings(config_class: type[PreTrainedConfig]) -> dict:
+    """The settings a config class holds as plain class attributes rather than fields (Emu3's text config:
+    `attention_bias = False`, `mlp_bias = False`): the family's modules read them from the config, and its
+    serialisation leaves them out. Those that `AttnResConfig` has itself (`model_type`, the plans) are its own."""
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    settings = {}
+    for klass in config_class.__mro__:
+        if not issubclass(klass, PreTrainedConfig) or klass is PreTrainedConfig:
+            continue
+        for name, value in vars(klass).items():
+            own = name.startswith("_") or name in fields or hasattr(AttnResConfig, name)
+            if not own and isinstance(value, (bool, int, float, str)):
+                settings.setdefault(name, value)
+    return settings
 
 
 # Fields every config has, which no family defines differently.

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .depth_state import DepthContext, DepthMixer, DepthState, ResidualStream
+from .families import norm_eps
 from .kernel_dispatch import DepthKernels, depth_kernels
 from .residual_variants import DepthWeightedAverage, HyperConnection, ManifoldHyperConnection, StreamAverage
 from .two_phase import as_float32, block_input, cast, inverse_rms
@@ -281,13 +282,12 @@ def depth_mixer(config, position: int) -> DepthMixer:
         return DepthWeightedAverage(position, config.num_sublayers, config.dwa_dilation, config.dwa_period)
     if mode in ("hc", "mhc") and position > config.num_sublayers:
         return StreamAverage()
+    eps = norm_eps(config)  # the family's: its RMSNorm's, or its LayerNorm's (StableLM, StarCoder2)
     if mode == "hc":
-        return HyperConnection(config.hidden_size, position, config.hc_streams, config.rms_norm_eps)
+        return HyperConnection(config.hidden_size, position, config.hc_streams, eps)
     if mode == "mhc":
-        return ManifoldHyperConnection(
-            config.hidden_size, position, config.hc_streams, config.rms_norm_eps, config.sinkhorn_iterations
-        )
-    args = (config.hidden_size, config.rms_norm_eps, position, config.depth_block_size, config.num_sublayers)
+        return ManifoldHyperConnection(config.hidden_size, position, config.hc_streams, eps, config.sinkhorn_iterations)
+    args = (config.hidden_size, eps, position, config.depth_block_size, config.num_sublayers)
     kwargs = dict(depth_kernel=config.depth_kernel, output_scale=output_scale(config, position))
     if config.depth_ablation is not None:
         return depth_ablation(config, *args, **kwargs)

@@ -10,6 +10,7 @@ threads it through the decoder layers. The math is in docs/design.md.
 """
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -17,7 +18,12 @@ from transformers import initialization as init
 
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
@@ -30,8 +36,15 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
 from .depth_state import DepthContext, DepthState, StateLayout, flatten_state
-from .families import FAMILIES, Family, Sublayer, layer_types
-from .transformers_compat import CACHE_NAME, accepts_past_key_values, output_cache, output_with_cache
+from .families import ATTENTION, FAMILIES, FEED_FORWARD, RECURRENT, Family, Sublayer, layer_types, norm_eps
+from .transformers_compat import (
+    CACHE_NAME,
+    accepts_past_key_values,
+    keywords_taken,
+    output_cache,
+    output_with_cache,
+    recurrent_cache_name,
+)
 
 
 # The attribute of a KV cache that holds the depth queries of the forward pass that started it
@@ -73,7 +86,17 @@ def attention_masks(
 ) -> dict[str, torch.Tensor | None]:
     """The mask of each of `attention_types` (`families.layer_types`), as the family's model makes them. A function
     of the config, so that a pipeline stage, which holds some of the layers, makes the masks its layers read."""
-    mask_functions = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    mask_functions = {
+        "full_attention": create_causal_mask,
+        "sliding_attention": create_sliding_window_causal_mask,
+        "chunked_attention": create_chunked_causal_mask,  # Llama 4
+        "linear_attention": create_recurrent_attention_mask,
+        # DeepSeek-V3.2's sparse attention: its indexer reads the causal mask even where attention could skip it. In
+        # Transformers 5.16, under the name `deepseek_sparse_attention`, its model lets the mask be skipped.
+        "indexed_attention": partial(create_causal_mask, allow_is_causal_skip=False),
+        "deepseek_sparse_attention": create_causal_mask,
+        "conv": create_recurrent_attention_mask,  # LFM2's short convolutions
+    }
     # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
     return {
         kind: mask_functions[kind](config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
@@ -82,25 +105,72 @@ def attention_masks(
 
 
 def rotary_embeddings(
-    rotary_emb: nn.Module,
+    rotary_emb: nn.Module | None,
     per_layer_type: bool,
     attention_types: Iterable[str],
     inputs_embeds: torch.Tensor,
     position_ids: torch.LongTensor,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
     """The rotary position embeddings each of `attention_types` reads: one per type where the family's rotary
-    embedding takes a layer type (`Family.rotary_per_layer_type`), otherwise one for all."""
+    embedding takes a layer type (`Family.rotary_per_layer_type`; `None` for the types it has no bases for, a
+    hybrid's recurrent layers), otherwise one for all; `None` where the family has no rotary embedding (GPT-2's
+    learned positions, Kimi Linear's NoPE attention)."""
+    if rotary_emb is None:
+        return dict.fromkeys(attention_types)
     if per_layer_type:
-        return {kind: rotary_emb(inputs_embeds, position_ids, kind) for kind in attention_types}
+        return {
+            kind: rotary_emb(inputs_embeds, position_ids, kind) if kind in rotary_emb.layer_types else None
+            for kind in attention_types
+        }
     return dict.fromkeys(attention_types, rotary_emb(inputs_embeds, position_ids))
 
 
+def family_position_ids(
+    config: AttnResConfig, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None
+) -> torch.LongTensor:
+    """The position ids the family's model makes where none are given: every token counted from the cache's length,
+    or, where the family counts them over the attention mask (`ModelParts.positions_from_mask`, OPT), the unpadded
+    tokens counted, -1 at padding."""
+    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+    parts = FAMILIES[config.family].parts
+    padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
+    if parts is not None and parts.positions_from_mask and padding_mask:
+        counted = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+        return counted[:, past_seen_tokens:]
+    position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+    return position_ids.unsqueeze(0)
+
+
+def family_embeddings(
+    config: AttnResConfig,
+    inputs_embeds: torch.Tensor,
+    embed_positions: nn.Module | None,
+    position_ids: torch.LongTensor,
+    training: bool,
+) -> torch.Tensor:
+    """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
+    that add them (GPT-2's, OPT's), times Granite's `embedding_multiplier`, times sqrt(hidden_size) under AFMoE's
+    muP, through GPT-2's and StarCoder2's embedding dropout in training."""
+    family = FAMILIES[config.family]
+    if embed_positions is not None:
+        inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
+    if family.embedding_multiplier is not None:
+        inputs_embeds = inputs_embeds * getattr(config, family.embedding_multiplier)
+    if family.mup_embedding_scale is not None and getattr(config, family.mup_embedding_scale):
+        inputs_embeds = inputs_embeds * (config.hidden_size**0.5)
+    if family.embedding_dropout is not None:
+        inputs_embeds = nn.functional.dropout(inputs_embeds, getattr(config, family.embedding_dropout), training)
+    return inputs_embeds
+
+
 def family_logits(config: AttnResConfig, logits: torch.Tensor) -> torch.Tensor:
-    """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, soft-capped by
-    Gemma's `final_logit_softcapping`."""
+    """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, multiplied by
+    HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping`."""
     family = FAMILIES[config.family]
     if family.logits_divisor is not None:
         logits = logits / getattr(config, family.logits_divisor)
+    if family.logits_multiplier is not None:
+        logits = logits * getattr(config, family.logits_multiplier)
     cap = getattr(config, family.logit_softcap) if family.logit_softcap else None
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
@@ -118,31 +188,44 @@ class RecordedHiddenState(nn.Module):
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
-    """The family's attention sublayer and MLP (or MoE) sublayer, each behind its own depth-mixing module.
+    """The family's two sublayers of one decoder layer, its token mixer (attention, or a hybrid's linear attention)
+    and its MLP or MoE, each behind its own depth-mixing module (`attn_residual`, `mlp_residual`).
 
     The family's own decoder-layer class builds the modules, which this layer holds under the family's names; the
-    family's row (`families.Family`) says which norm each sublayer reads through and which modules its output goes
-    through. The layer maps the depth state to the next one. Under activation checkpointing the state crosses the
-    layer's boundary flattened to positional tensors (`__call__`), the only form in which reentrant checkpointing
-    recomputes and differentiates through all of them; what is not a tensor (the state's layout, the forward pass's
-    `DepthContext`) travels as keywords.
+    family's row (`families.Family`) says which sublayers the layer has (for hybrids, by the layer's type), which
+    norm each reads through, how the family calls it and which modules its output goes through. The layer maps the
+    depth state to the next one. Under activation checkpointing the state crosses the layer's boundary flattened to
+    positional tensors (`__call__`), the only form in which reentrant checkpointing recomputes and differentiates
+    through all of them; what is not a tensor (the state's layout, the forward pass's `DepthContext`) travels as
+    keywords.
     """
 
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         family = FAMILIES[config.family]
-        for name, module in family.cls("DecoderLayer")(config, layer_idx).named_children():
+        for name, module in family.cls(family.decoder_layer)(config, layer_idx).named_children():
             self.add_module(name, module)
-        self.attention_sublayer, self.mlp_sublayer = family.sublayers
+        self.sublayers = family.sublayers_of(config, layer_idx)
         if family.llama_norm:  # the same function, fused with the depth step in front of it
-            for sublayer in family.sublayers:
-                self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+            for sublayer in self.sublayers:
+                # Only where the layer holds the family's norm: A.X K2's MoE layers gate theirs.
+                if sublayer.pre_norm is not None and type(getattr(self, sublayer.pre_norm)) is family.norm_class:
+                    self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm_eps(config)))
         self.residual_multiplier = getattr(config, family.residual_multiplier) if family.residual_multiplier else None
+        # How the layer's recurrent mixer, where it has one, takes the cache and which keywords (transformers_compat).
+        recurrent = [getattr(self, sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
+        self.recurrent_cache_name = recurrent_cache_name(recurrent[0]) if recurrent else None
+        self.recurrent_keywords = keywords_taken(recurrent[0].forward) if recurrent else None
         self.attention_type = layer_types(config)[layer_idx]
-        attn_position, mlp_position = 2 * layer_idx + 1, 2 * layer_idx + 2
-        self.attn_residual = depth_mixer(config, attn_position)
-        self.mlp_residual = depth_mixer(config, mlp_position)
+        self.attn_residual = depth_mixer(config, 2 * layer_idx + 1)
+        self.mlp_residual = depth_mixer(config, 2 * layer_idx + 2)
         self.recorded_input = RecordedHiddenState()
+
+    @property
+    def depth_mixers(self) -> tuple[nn.Module, nn.Module]:
+        """The depth-mixing modules in front of the layer's sublayers, in order; each looked up once (a submodule
+        lookup is `nn.Module.__getattr__`, a Python call per read)."""
+        return self.attn_residual, self.mlp_residual
 
     def __call__(self, depth_state: tuple, **kwargs) -> tuple:
         if not (self.gradient_checkpointing and self.training):
@@ -164,31 +247,26 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple:
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
-        # Each mixer is looked up once (a submodule lookup is `nn.Module.__getattr__`, a Python call per read).
-        attn_residual, mlp_residual = self.attn_residual, self.mlp_residual
+        depth_mixers = self.depth_mixers
         if type(state) is DepthState and state.blocks_inv_rms.dtype != torch.float32:
             # FSDP2's `MixedPrecisionPolicy` casts every floating-point tensor among a unit's inputs to `param_dtype`,
             # the state's fp32 statistics too: they are computed again from the blocks, as a pipeline stage resumes
             # a state, and each step runs phase 1 for its own query (docs/training.md#mixed-precision).
-            state, _ = attn_residual.resumed_state(state.blocks, state.partial, None)
-        hidden_states = attn_residual(state, depth_context)
-        if depth_context.record_inputs:
-            self.recorded_input(hidden_states)
-        attn_output, _ = self.self_attn(
-            hidden_states=self.sublayer_input(self.attention_sublayer, hidden_states),
-            position_embeddings=position_embeddings,
+            state, _ = depth_mixers[0].resumed_state(state.blocks, state.partial, None)
+        inputs = dict(
             attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
             position_ids=position_ids,
-            **{CACHE_NAME: cache},
-            **kwargs,
+            cache=cache,
+            kwargs=kwargs,
         )
-        attn_output = self.branch_output(self.attention_sublayer, attn_output)
-        state = attn_residual.absorb(attn_output, state, depth_context)
-
-        hidden_states = mlp_residual(state, depth_context)
-        mlp_output = self.mlp(self.sublayer_input(self.mlp_sublayer, hidden_states))
-        mlp_output = self.branch_output(self.mlp_sublayer, mlp_output)
-        state = mlp_residual.absorb(mlp_output, state, depth_context)
+        for index, (sublayer, mixer) in enumerate(zip(self.sublayers, depth_mixers)):
+            hidden_states = mixer(state, depth_context)
+            if index == 0 and depth_context.record_inputs:
+                self.recorded_input(hidden_states)
+            sublayer_input = self.sublayer_input(sublayer, hidden_states)
+            output = self.sublayer_output(sublayer, sublayer_input, **inputs)
+            state = mixer.absorb(self.branch_output(sublayer, output, sublayer_input.shape), state, depth_context)
         if depth_layout is None:
             return state
         tensors, layout = flatten_state(state)
@@ -198,11 +276,65 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """What the sublayer's module reads: the depth step's result through the sublayer's pre-norm, if it has one."""
         return pre_norm(getattr(self, sublayer.pre_norm) if sublayer.pre_norm else None, hidden_states)
 
-    def branch_output(self, sublayer: Sublayer, output: torch.Tensor) -> torch.Tensor:
-        """The sublayer's output v_l as it joins the stream: through its post-norm or residual dropout, and scaled by
-        the family's residual multiplier (Granite)."""
+    def sublayer_output(
+        self,
+        sublayer: Sublayer,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        position_ids: torch.LongTensor | None,
+        cache: Cache | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """The sublayer's module called as the family's decoder layer calls it (`Sublayer.call`):
+        attention with the position embeddings and its mask, a recurrent mixer with its padding mask, both with the
+        cache; an MLP or MoE on the hidden states alone. With modules summed beside it (`Sublayer.summed`), the sum of
+        their outputs in order, of those the family's layer built."""
+        modules = [getattr(self, name, None) for name in (sublayer.module, *sublayer.summed)]
+        inputs = (hidden_states, attention_mask, position_embeddings, position_ids, cache, kwargs)
+        outputs = [self.module_output(sublayer, module, *inputs) for module in modules if module is not None]
+        return sum(outputs[1:], outputs[0])
+
+    def module_output(
+        self,
+        sublayer: Sublayer,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        position_ids: torch.LongTensor | None,
+        cache: Cache | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """One module of `sublayer` called as the sublayer says (`sublayer_output`)."""
+        if sublayer.call == FEED_FORWARD:
+            return module(hidden_states)
+        if sublayer.call == RECURRENT:
+            if self.recurrent_keywords is not None:
+                kwargs = {name: value for name, value in kwargs.items() if name in self.recurrent_keywords}
+            cache_argument = {self.recurrent_cache_name: cache}
+            return module(hidden_states=hidden_states, attention_mask=attention_mask, **cache_argument, **kwargs)
+        if position_embeddings is not None:  # a NoPE family's attention takes none (Kimi Linear)
+            kwargs = dict(kwargs, position_embeddings=position_embeddings)
+        output, _ = module(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **{sublayer.cache_argument or CACHE_NAME: cache},
+            **kwargs,
+        )
+        return output
+
+    def branch_output(self, sublayer: Sublayer, output: torch.Tensor | tuple, shape: torch.Size) -> torch.Tensor:
+        """The sublayer's output v_l as it joins the stream: the module's first output where it returns more (GPT-OSS's
+        and Llama 4's MoE return their router scores or logits beside it), through its post-norm or residual dropout
+        (or the rest of OPT's MLP), in the `shape` of the module's input (Llama 4's MoE returns one row per token), and
+        scaled by the family's residual multiplier (Granite)."""
+        if isinstance(output, tuple):
+            output = output[0]
         for name in sublayer.post:
             output = getattr(self, name)(output)
+        output = output.view(shape)
         return output if self.residual_multiplier is None else output * self.residual_multiplier
 
 
@@ -228,14 +360,30 @@ class AttnResPreTrainedModel(PreTrainedModel):
     # `hidden_states[i]` is the input the i-th decoder layer's attention sublayer reads (the depth-mixed input under
     # AttnRes, the residual stream in standard mode, where this equals the family's), and the last entry is the output
     # after the final norm, each computed by a `RecordedHiddenState`. Attentions and router logits are recorded by
-    # module name, which every family shares (`self_attn`, and `mlp.gate` for the router), where its classes differ.
+    # module name, where the families' classes differ: `self_attn`, and each MoE family's router (`families.Moe`). One
+    # list for every family, since Transformers < 5.25 keeps one record per model class; a model holds the modules
+    # of its own family only.
     _can_record_outputs = {
         "hidden_states": [
             OutputRecorder(None, class_name="recorded_input", capture_initial_hidden_state=False),
             OutputRecorder(None, class_name="recorded_output", capture_initial_hidden_state=False),
         ],
-        "attentions": OutputRecorder(None, index=1, class_name="self_attn"),
-        "router_logits": OutputRecorder(None, index=0, class_name="mlp.gate"),
+        "attentions": [
+            OutputRecorder(None, index=1, class_name=f".{attention}")
+            for attention in dict.fromkeys(
+                sublayer.module
+                for family in FAMILIES.values()
+                for sublayers in (family.layer_sublayers or {None: family.sublayers}).values()
+                for sublayer in sublayers
+                if sublayer.call == ATTENTION
+            )
+        ],
+        "router_logits": [
+            OutputRecorder(None, index=index, class_name=router)
+            for router, index in dict.fromkeys(
+                (family.moe.router, family.moe.logits_index) for family in FAMILIES.values() if family.moe
+            )
+        ],
     }
 
     @classmethod
@@ -278,9 +426,17 @@ class AttnResPreTrainedModel(PreTrainedModel):
         model's own source file, where it is not."""
         return True
 
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        """Every module goes through `_init_weights`, as in Transformers' own models. For a model outside Transformers
+        it skips the modules whose own parameters are all initialised, for code that writes them in place without
+        flagging them; this one initialises through `transformers.initialization`, which flags them, and skipping
+        would leave out a family's module that initialises its children's parameters (Qwen3-Next's MoE block, its
+        router), holding none itself."""
+        super()._initialize_weights(module, is_custom_code=False)
+
     def _init_weights(self, module: nn.Module) -> None:
         family_initialisation(self.config)._init_weights(module)
-        std = self.config.initializer_range
+        std = getattr(self.config, FAMILIES[self.config.family].initializer_range)
         if isinstance(module, DepthQuery):
             # Zero pseudo-queries: uniform depth attention, which reproduces the PreNorm residual up to the norms.
             init.zeros_(module.pseudo_query)
@@ -301,20 +457,31 @@ class AttnResModel(AttnResPreTrainedModel):
         self.vocab_size = config.vocab_size
 
         family = FAMILIES[config.family]
-        self.embed_tokens = family.embedding(config)
+        # The family's own modules around the layers, where they are not Llama's (GPT-2's position embedding).
+        parts = family.model_parts(config)
+        self.embed_tokens = family.embedding(config) if parts is None else parts.get_submodule(family.parts.tokens)
+        self.embed_positions = None
+        if parts is not None and family.parts.positions is not None:
+            self.embed_positions = parts.get_submodule(family.parts.positions)
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.output_residual = depth_mixer(config, config.num_sublayers + 1)
-        norm = AttnResRMSNorm if family.llama_norm else family.cls("RMSNorm")
-        self.norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        if parts is not None:
+            self.norm = parts.get_submodule(family.parts.norm)
+        else:
+            norm = AttnResRMSNorm if family.llama_norm else family.norm_class
+            self.norm = norm(config.hidden_size, eps=norm_eps(config))
         self.recorded_output = RecordedHiddenState()
-        self.rotary_emb = family.cls("RotaryEmbedding")(config)
+        self.rotary_emb = family.rotary_embedding_of(config)
         self.rotary_per_layer_type = family.rotary_per_layer_type
-        multiplier = family.embedding_multiplier
-        self.embedding_multiplier = getattr(config, multiplier) if multiplier else None
         self.gradient_checkpointing = False
         self._keep_depth_queries_in_float32()
+        # The family's own modules kept in fp32 on loading (DeepSeek-V3's router weights and routing bias, GPT-OSS's
+        # norms), as its model keeps them.
+        family_model = family.cls("PreTrainedModel")
+        self._keep_in_fp32_modules = list(family_model._keep_in_fp32_modules or [])
+        self._keep_in_fp32_modules_strict += family_model._keep_in_fp32_modules_strict or []
 
         self.post_init()
 
@@ -368,16 +535,13 @@ class AttnResModel(AttnResPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if self.embedding_multiplier is not None:
-            inputs_embeds = inputs_embeds * self.embedding_multiplier
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
 
         if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
+            position_ids = family_position_ids(self.config, inputs_embeds, attention_mask, cache)
+        inputs_embeds = family_embeddings(self.config, inputs_embeds, self.embed_positions, position_ids, self.training)
 
         masks = attention_mask  # `generate` may have made them, one per attention type
         if not isinstance(masks, dict):
@@ -388,7 +552,7 @@ class AttnResModel(AttnResPreTrainedModel):
         )
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
-        first_mixer = self.layers[0].attn_residual
+        first_mixer = self.layers[0].depth_mixers[0]
         depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(cache), record_inputs)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
@@ -434,7 +598,7 @@ class AttnResModel(AttnResPreTrainedModel):
         queries = getattr(cache, CACHED_QUERIES, None) if kept else None
         if queries is not None and cache.get_seq_length() > 0:
             return queries
-        mixers = [mixer for layer in self.layers for mixer in (layer.attn_residual, layer.mlp_residual)]
+        mixers = [mixer for layer in self.layers for mixer in layer.depth_mixers]
         queries = gather_queries([mixer.query for mixer in (*mixers, self.output_residual)])
         if kept:
             setattr(cache, CACHED_QUERIES, queries)
@@ -474,8 +638,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = AttnResModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=False)
         self.post_init()
+        if not self.family.causal_lm_class._tp_plan:
+            # The head stays whole where the family's own causal LM has no plan (GPT-2, StableLM): sharding it alone
+            # would gather logits over an embedding it is tied to and that stays whole.
+            self.tp_plan = {name: style for name, style in self.tp_plan.items() if name != "lm_head"}
 
     @property
     def family(self) -> Family:
@@ -502,9 +670,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
-        output_router_logits = self.family.moe and (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
+        if output_router_logits is None:  # DeepSeek-V3's, GLM-4.5's and HunYuan's configs lack it in Transformers 5.16
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        output_router_logits = self.family.moe is not None and output_router_logits
         outputs: MoeModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -521,14 +689,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.lm_head.out_features, **kwargs)
 
         aux_loss = None
         if output_router_logits:
-            aux_loss = self.family.modeling.load_balancing_loss_func(
-                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
-            )
-            if labels is not None:
+            aux_loss = self.family.load_balancing_loss(self.config, outputs.router_logits, attention_mask)
+            if labels is not None and aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
 
         return output_with_cache(

@@ -9,6 +9,7 @@ This file is copied flat into remote-code checkpoints, so it imports only torch 
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,24 @@ from transformers.utils.deprecation import deprecate_kwarg
 TRANSFORMERS_VERSION = version.parse(transformers.__version__).release
 # The name under which the installed version passes the key-value cache to models and returns it in their outputs.
 CACHE_NAME = "cache" if TRANSFORMERS_VERSION >= (5, 20) else "past_key_values"
+
+
+def recurrent_cache_name(mixer: torch.nn.Module) -> str:
+    """The keyword under which the installed version passes the cache to the recurrent token mixer `mixer`: `cache`
+    from 5.20, the same rename; before it `cache_params` (Gated DeltaNet, KDA, Mamba 2) or, for LFM2's short
+    convolutions, `past_key_values`."""
+    if CACHE_NAME == "cache":
+        return "cache"
+    return "cache_params" if "cache_params" in inspect.signature(mixer.forward).parameters else "past_key_values"
+
+
+def keywords_taken(forward: Callable) -> frozenset[str] | None:
+    """The keywords `forward` takes, or `None` where it takes any (`**kwargs`): before 5.20 LFM2's short convolution
+    takes none beyond its own, where the newer versions' mixers take the attention keyword arguments too."""
+    parameters = inspect.signature(forward).parameters.values()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    return frozenset(parameter.name for parameter in parameters)
 
 
 def accepts_past_key_values(forward: Callable) -> Callable:

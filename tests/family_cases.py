@@ -1,12 +1,15 @@
 """Tiny random checkpoints of every decoder family the conversion covers (`attnres/families.py`): hidden 64, 3 layers,
 grouped-query attention, windows shorter than the test prompts, the family's own features turned on (q/k norms,
-soft-capping, multipliers, shared experts, dense layers among MoE ones), and every norm gain perturbed away from its
-initial value, so that a norm read in the wrong place, or with the wrong eps, shows in the logits."""
+soft-capping, multipliers, shared experts, dense layers among MoE ones, partial rotary, biases, dropouts), and every
+norm gain and bias perturbed away from its initial value, so that a norm read in the wrong place, or with the wrong
+eps, shows in the logits."""
 
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
+
+from attnres.families import FAMILIES
 
 
 COMMON = dict(
@@ -24,23 +27,63 @@ COMMON = dict(
 )
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh")
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+# DeepSeek-V3's and GLM-4.5's MoE: a dense first layer, a shared expert, the top-k chosen within the best of 2 groups.
+DEEPSEEK_MOE = dict(
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+)
+# Multi-head latent attention: low-rank queries and keys/values, a rotary part and a position-free part per head.
+# Its keys and values have as many heads as its queries.
+MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+# DeepSeek-V3.2's sparse attention over latent attention, and its MoE after a dense first layer.
+DSA = dict(
+    **DEEPSEEK_MOE,
+    **MLA,
+    num_key_value_heads=4,
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    index_topk=4,
+    index_head_dim=16,
+    index_n_heads=2,
+)
+# Gated DeltaNet between attention layers (Qwen3-Next, Qwen3.5): two heads of keys, four of values.
+GATED_DELTANET = dict(
+    head_dim=32,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=3,
+)
+# Llama 3's RoPE scaling, from a context shorter than the tiny models'.
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
+
+# Kimi Delta Attention between NoPE latent-attention layers (Kimi Linear): four heads of 16 channels.
+KIMI_DELTA_ATTENTION = dict(
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_heads=4,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=3,
+)
+# Gated short convolutions between attention layers (LFM2), with their bias.
+SHORT_CONVOLUTION = dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True)
 
 # case name -> (model_type, config fields beside COMMON)
 CASES = {
     "llama": ("llama", dict(attention_bias=True)),
-    "llama-llama3": (
-        "llama",
-        dict(
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=32,
-            )
-        ),
-    ),
+    "llama-llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "llama-yarn": (
         "llama",
         dict(
@@ -68,16 +111,300 @@ CASES = {
     "gemma3_text": ("gemma3_text", dict(sliding_window=4, sliding_window_pattern=2, **GEMMA)),
     "olmo2": ("olmo2", {}),
     "olmo3": ("olmo3", dict(sliding_window=4)),
+    "ministral": (
+        "ministral",
+        dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),
+    "glm4": ("glm4", dict(head_dim=32, partial_rotary_factor=0.25, attention_bias=True)),
+    "ernie4_5": ("ernie4_5", dict(head_dim=16, use_bias=True)),
+    "seed_oss": (
+        "seed_oss",
+        dict(head_dim=32, attention_out_bias=True, mlp_bias=True, attention_dropout=0.1, residual_dropout=0.1),
+    ),
+    "helium": ("helium", dict(head_dim=16, attention_bias=True, mlp_bias=True)),
+    "arcee": (
+        "arcee",
+        dict(
+            head_dim=16,
+            mlp_bias=True,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+        ),
+    ),
+    "hunyuan_v1_dense": (
+        "hunyuan_v1_dense",
+        dict(
+            head_dim=16,
+            attention_bias=True,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=50.0),  # NTK alpha
+        ),
+    ),
+    "exaone4": ("exaone4", dict(head_dim=16, sliding_window=4, sliding_window_pattern=2)),
+    "apertus": ("apertus", dict(head_dim=16, attention_bias=True)),
+    "internlm3": ("internlm3", dict(head_dim=16, attention_bias=True, mlp_bias=True)),
+    # One residual dropout module after both sublayers (at the attention dropout's rate).
+    "emu3_text_model": ("emu3_text_model", dict(attention_dropout=0.1)),
+    "exaone": ("exaone", dict(head_dim=16, attention_bias=True, mlp_bias=True)),
+    "iquestcoder": ("iquestcoder", dict(head_dim=16, attention_bias=True, mlp_bias=True)),
+    "glm": ("glm", dict(head_dim=32, partial_rotary_factor=0.25, attention_bias=True)),
+    "cwm": (
+        "cwm",
+        dict(
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters=LLAMA3_ROPE,
+        ),
+    ),
+    "bitnet": ("bitnet", dict(head_dim=16)),  # norms inside its attention and MLP too (`attn_sub_norm`, `ffn_sub_norm`)
+    "diffllama": ("diffllama", dict(head_dim=16, attention_bias=True)),  # differential attention: two maps per head
+    "apertus1p5_text": ("apertus1p5_text", dict(head_dim=16, attention_bias=True, rope_parameters=LLAMA3_ROPE)),
+    "stablelm": (
+        "stablelm",
+        dict(partial_rotary_factor=0.5, qk_layernorm=True, use_qkv_bias=True, hidden_dropout=0.1),
+    ),
+    "starcoder2": ("starcoder2", dict(sliding_window=4, residual_dropout=0.1, embedding_dropout=0.1)),
+    "deepseek_v3": ("deepseek_v3", dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4)),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4)),
+    "glm4_moe": ("glm4_moe", dict(**DEEPSEEK_MOE, head_dim=16, use_qk_norm=True, partial_rotary_factor=0.5)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+    "granitemoe": (
+        "granitemoe",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),
+    # Partial RoPE as every supported Transformers reads it: before 5.19 its config ignores the released checkpoints'
+    # `rotary_dim`, and the family's own model then rotates whole heads.
+    "minimax_m2": (
+        "minimax_m2",
+        dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, partial_rotary_factor=0.5),
+    ),
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1),
+    ),
+    "hunyuan_v1_moe": (
+        "hunyuan_v1_moe",
+        dict(num_experts=4, moe_topk=2, moe_intermediate_size=32, use_qk_norm=True, head_dim=16),
+    ),
+    # A dense layer between MoE ones, a NoPE layer (the last: no rotary embedding, temperature-tuned queries) and
+    # chunked attention in the others.
+    "llama4_text": (
+        "llama4_text",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=96,
+            interleave_moe_layer_step=2,
+            no_rope_layer_interval=3,
+            attention_chunk_size=4,
+            floor_scale=4,
+            head_dim=16,
+        ),
+    ),
+    # A dense first layer; q/k norms; shared experts added to the routed ones in fp32.
+    "hy_v3": (
+        "hy_v3",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            head_dim=16,
+        ),
+    ),
+    # Attention sinks and windows, a dense first layer, a shared expert.
+    "flint": (
+        "flint",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            head_dim=16,
+        ),
+    ),
+    "aria_text": ("aria_text", dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, head_dim=16)),
+    # Windowed layers before a full one, q/k norms, a dense first layer, a shared expert, grouped routing.
+    "exaone_moe": (
+        "exaone_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            head_dim=16,
+        ),
+    ),
+    "dots1": (
+        "dots1",
+        dict(
+            **DEEPSEEK_MOE,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    # Multi-head latent attention over a dense first layer and MoE layers that route within groups.
+    "deepseek_v2": (
+        "deepseek_v2",
+        dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4, topk_method="group_limited_greedy"),
+    ),
+    "glm4_moe_lite": (
+        "glm4_moe_lite",
+        dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4, mlp_layer_types=["dense", "sparse", "sparse"]),
+    ),
+    "axk1": ("axk1", dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # DeepSeek-V3.2's sparse attention: an indexer picks fewer keys than the prompts hold, from the causal mask.
+    "deepseek_v32": ("deepseek_v32", DSA),
+    # The same, with norms that gate their output before attention and before the MoE.
+    "axk2": ("axk2", dict(DSA, gated_norm_rank=8)),
+    # OLMo 2's norms after each branch, q/k norms over all heads, MoE layers.
+    "flex_olmo": ("flex_olmo", dict(num_experts=4, num_experts_per_tok=2)),
+    "granitemoeshared": (
+        "granitemoeshared",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),
+    "hyperclovax": (
+        "hyperclovax",
+        dict(
+            head_dim=16,
+            use_post_norm=True,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=0.25,
+        ),
+    ),
+    # Norms before and after each branch, gated attention with q/k norms, windowed layers before a full one, a dense
+    # first layer, shared experts, muP's scaled embedding.
+    "afmoe": (
+        "afmoe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+            sliding_window=4,
+            global_attn_every_n_layers=3,
+            mup_enabled=True,
+            head_dim=16,
+        ),
+    ),
+    "qwen3_next": ("qwen3_next", dict(num_experts=4, shared_expert_intermediate_size=48, **GATED_DELTANET, **MOE)),
+    "qwen3_5_text": ("qwen3_5_text", GATED_DELTANET),
+    "qwen3_5_moe_text": (
+        "qwen3_5_moe_text",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        | GATED_DELTANET,
+    ),
+    # GPT-2: learned positions added to the embeddings, LayerNorms with bias, `Conv1D` projections, attention scores
+    # scaled down by the layer's index, dropouts on the embeddings, the attention and the branches.
+    "gpt2": ("gpt2", dict(n_inner=96, scale_attn_by_inverse_layer_idx=True, activation_function="gelu_new")),
+    # GPT-Neo: GPT-2's layout with global and windowed ("local") attention layers, the window inside the attention.
+    # Four layers, the depth tests/test_pipeline.py splits, since the config's layer pattern fixes the depth.
+    "gpt_neo": ("gpt_neo", dict(num_hidden_layers=4, attention_types=[[["global", "local"], 2]], window_size=4)),
+    # GPT-BigCode: GPT-2's layout with multi-query attention.
+    "gpt_bigcode": ("gpt_bigcode", dict(n_inner=96, multi_query=True)),
+    # OPT: learned positions counted over the attention mask and offset by 2, biases, an MLP of the layer's own
+    # `fc1` and `fc2`.
+    "opt": ("opt", dict(ffn_dim=96, enable_bias=True, activation_function="gelu")),
+    # BioGPT: OPT's layer, its positions counted from the cache's length, the embedding scaled by sqrt(hidden_size).
+    "biogpt": ("biogpt", dict(scale_embedding=True)),
+    # XGLM: OPT's layer, sinusoidal positions offset by 2, the embedding scaled by sqrt(d_model).
+    "xglm": ("xglm", dict(ffn_dim=96, scale_embedding=True)),
+    # KDA and latent attention; a dense first layer (the default `first_k_dense_replace`), then MoE with a shared
+    # expert and grouped top-k routing.
+    "kimi_linear": (
+        "kimi_linear",
+        dict(
+            **KIMI_DELTA_ATTENTION,
+            **MLA,
+            num_key_value_heads=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    "lfm2": ("lfm2", dict(**SHORT_CONVOLUTION, block_multiple_of=16)),
+    # A dense first layer, then sigmoid routing with an expert bias.
+    "lfm2_moe": (
+        "lfm2_moe",
+        dict(**SHORT_CONVOLUTION, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
+    ),
+    # A convolution, a windowed and a full attention layer (RoPE bases per type, partial in the full one), sandwich
+    # norms and gated attention.
+    "lfm3": (
+        "lfm3",
+        dict(
+            layer_types=["conv", "sliding_attention", "full_attention"],
+            sliding_window=4,
+            head_dim=16,
+            conv_L_cache=3,
+            conv_bias=True,
+        ),
+    ),
+    # Mamba 2 between attention layers with RoPE on, an MoE and the shared MLP beside it, Granite's multipliers.
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        dict(
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            position_embedding_type="rope",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_d_conv=3,
+            mamba_chunk_size=8,
+            mamba_proj_bias=True,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),
 }
+# The families the installed Transformers has (InternLM3 from after 5.19).
+CASES = {case: spec for case, spec in CASES.items() if spec[0] in FAMILIES}
 
 
 def source_model(case: str, seed: int = 0, **overrides) -> PreTrainedModel:
     """The family's own `*ForCausalLM` for `case` (with `overrides` of its config), random, in fp32, with every norm
     gain perturbed."""
     model_type, fields = CASES[case]
-    config = AutoConfig.for_model(model_type, **{**COMMON, **fields, **overrides})
+    config = FAMILIES[model_type].config_class(**{**COMMON, **fields, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # The family's own class: `AutoModelForCausalLM` does not map every family's config (Emu3's text config).
+    model = FAMILIES[model_type].causal_lm_class._from_config(config, dtype=torch.float32).eval()
     model.config.architectures = [type(model).__name__]  # as `save_pretrained` records it
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -225,6 +225,14 @@ CASES = {
         ValueError,
         "AttnResConfig.block_size=5: must be an integer from 1 to 2 * num_hidden_layers = 4",
     ),
+    "config hybrid layer_types": Case(
+        lambda f: AttnResConfig(
+            family="qwen3_next", num_hidden_layers=2, layer_types=["linear_attention", "sliding_attention"]
+        ),
+        ValueError,
+        "AttnResConfig.layer_types=['linear_attention', 'sliding_attention']: must be a list of 'full_attention' | "
+        "'linear_attention'",
+    ),
     "config num_experts_per_tok": Case(
         lambda f: AttnResConfig(num_local_experts=4, num_experts_per_tok=5),
         ValueError,

@@ -23,8 +23,6 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import (
     AutoModelForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -33,6 +31,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    MptConfig,
+    MptForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     PreTrainedTokenizerFast,
@@ -235,10 +235,10 @@ def test_exact_retrofit_closes_the_eps_gap(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    MptForCausalLM(MptConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=50)).save_pretrained(tmp_path / "mpt")
     with pytest.raises(ConversionError) as error:
-        convert(tmp_path / "gpt2", tmp_path / "out", progress=False)
-    assert "GPT2LMHeadModel" in str(error.value)
+        convert(tmp_path / "mpt", tmp_path / "out", progress=False)
+    assert "MptForCausalLM" in str(error.value)
     assert "LlamaForCausalLM" in str(error.value) and "MixtralForCausalLM" in str(error.value)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 

@@ -7,6 +7,7 @@ loads where attnres is not installed."""
 import dataclasses
 import inspect
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -25,12 +29,15 @@ from transformers import (
     Trainer,
     TrainingArguments,
 )
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.pytorch_utils import Conv1D
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres_cli import main
 from attnres.conversion import ConversionError, convert
-from attnres.conversion.architectures import attnres_config
+from attnres.conversion.architectures import REFUSED_MODEL_TYPES, attnres_config
+from attnres.conversion.sources import causal_lm_class
 from attnres.families import FAMILIES
 from attnres.training import PROJECTION_TARGET_MODULES
 from attnres.transformers_compat import CACHE_NAME
@@ -51,6 +58,19 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def family_state_dict(source: nn.Module, config: AttnResConfig) -> dict[str, torch.Tensor]:
+    """The source model's tensors under the names the conversion gives them: the family's own, but where the family's
+    model holds the layers and the modules around them under other names (GPT-2's `transformer.h`). Transformers' own
+    renamings are not applied: they map a checkpoint's names to the model's, which these already are."""
+    renamings = [(re.compile(pattern), new) for pattern, new in FAMILIES[config.family].checkpoint_renamings]
+    state_dict = {}
+    for name, tensor in source.state_dict().items():
+        for pattern, new in renamings:
+            name = pattern.sub(new, name)
+        state_dict[name] = tensor
+    return state_dict
+
+
 def test_every_family_has_a_case():
     assert {model_type for model_type, _ in CASES.values()} == set(FAMILIES)
 
@@ -60,8 +80,57 @@ def test_llama_norm_is_true_exactly_where_the_family_copies_llamas_rmsnorm(model
     """The model puts its fusing `AttnResRMSNorm` in place of a family's norm only where that norm computes Llama's
     function, which fp32 alone could not tell (OLMo 2 multiplies the gain before the cast back, Llama after)."""
     family = FAMILIES[model_type]
-    same_code = inspect.getsource(family.cls("RMSNorm").forward) == inspect.getsource(LlamaRMSNorm.forward)
+    same_code = inspect.getsource(family.norm_class.forward) == inspect.getsource(LlamaRMSNorm.forward)
     assert family.llama_norm == same_code
+
+
+@pytest.mark.parametrize("case", ["stablelm", "starcoder2"])
+def test_layernorm_families_hold_their_own_layernorms_with_bias(case):
+    """StableLM and StarCoder2 normalise with torch's LayerNorm, bias included, under their own eps field: the model's
+    final norm is one too, and the depth steps' key norms take that eps."""
+    source = source_model(case)
+    config = attnres_config(source.config, mode="block", block_size=None, exact_retrofit=True)
+    model = AttnResForCausalLM(config)
+    eps = getattr(config, FAMILIES[config.family].norm_eps)
+    assert type(model.model.norm) is nn.LayerNorm and model.model.norm.bias is not None
+    assert model.model.norm.eps == eps and model.model.output_residual.eps == eps
+    assert {type(layer.input_layernorm) for layer in model.model.layers} == {nn.LayerNorm}
+
+
+@pytest.mark.parametrize("case", ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2"])
+def test_standard_mode_equals_the_family_in_training_with_its_dropouts(case):
+    """The family's dropouts (StarCoder2's and GPT-2's on the embedding and on each branch, StableLM's on the MLP's
+    output, Seed-OSS's and Emu3's residual dropouts) are applied where the family applies them, drawing the same random
+    numbers."""
+    source = source_model(case).train()
+    config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
+    model = AttnResForCausalLM(config).train()
+    model.load_state_dict(family_state_dict(source, config))
+    ids = prompt_ids()
+    logits = []
+    for network in (source, model):
+        torch.manual_seed(0)
+        logits.append(network(ids).logits)
+    torch.manual_seed(1)
+    assert not torch.equal(source(ids).logits, logits[0])  # the dropouts are on
+    assert torch.equal(logits[1], logits[0])
+
+
+@pytest.mark.skipif("apertus1p5_text" not in FAMILIES, reason="Apertus 1.5 is newer than this Transformers")
+def test_a_pruned_lm_head_computes_the_familys_logits():
+    """Apertus 1.5's LM head may keep only the text-only prefix of the vocabulary (`output_vocab_size`), while the
+    embedding keeps all of it: the model's head is as large as the family's, and its logits are the family's."""
+    source = source_model("apertus1p5_text", output_vocab_size=100)
+    config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
+    model = AttnResForCausalLM(config).eval()
+    model.load_state_dict(source.state_dict())
+    ids, mask = padded_batch()
+    labels = ids.clamp(max=99)
+    with torch.no_grad():
+        expected = source(ids, attention_mask=mask, labels=labels)
+        actual = model(ids, attention_mask=mask, labels=labels)
+    assert actual.logits.shape[-1] == 100 and model.get_input_embeddings().num_embeddings == COMMON["vocab_size"]
+    assert torch.equal(actual.logits, expected.logits) and torch.equal(actual.loss, expected.loss)
 
 
 # The fields `AttnResConfig` declares itself, and the one it adds for remote code.
@@ -75,8 +144,8 @@ def test_the_config_is_the_familys_plus_the_residual_fields(case, tmp_path):
     """An AttnRes config of family F holds F's config (every field, its value, nothing of another family) and the
     residual fields, in memory and as saved, and reloads through `AutoConfig` to the same."""
     model_type, fields = CASES[case]
-    family_config = AutoConfig.for_model(model_type, **COMMON, **fields)
-    config = AttnResConfig(family=model_type, **COMMON, **fields)
+    family_config = FAMILIES[model_type].config_class(**{**COMMON, **fields})
+    config = AttnResConfig(family=model_type, **{**COMMON, **fields})
     expected, actual = family_config.to_dict(), config.to_dict()
     assert actual.keys() - expected.keys() == RESIDUAL_FIELDS | {"auto_map"}
     assert expected.keys() <= actual.keys()
@@ -87,8 +156,9 @@ def test_the_config_is_the_familys_plus_the_residual_fields(case, tmp_path):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved.keys() - RESIDUAL_FIELDS - {"auto_map"} == family_config.to_diff_dict().keys()
     reloaded = AutoConfig.from_pretrained(tmp_path)
-    assert type(reloaded) is AttnResConfig and reloaded.to_diff_dict() == saved
-    assert AttnResConfig.from_dict(saved).to_diff_dict() == saved
+    # Compared as saved: JSON holds a non-finite float as Transformers encodes it (Granite 4's `time_step_limit`).
+    assert type(reloaded) is AttnResConfig and json.loads(reloaded.to_json_string()) == saved
+    assert json.loads(AttnResConfig.from_json_file(tmp_path / "config.json").to_json_string()) == saved
 
 
 def test_a_family_has_its_own_moe_fields_and_no_other():
@@ -106,23 +176,70 @@ def test_a_family_has_its_own_moe_fields_and_no_other():
     assert not hasattr(AttnResConfig(family="qwen3"), "num_experts")
 
 
+def records_router_logits(source: nn.Module, ids: torch.Tensor, experts: int) -> bool:
+    """Whether the family's own `*ForCausalLM` returns its routers' logits: Transformers 5.16 records none for
+    DeepSeek-V3, GLM-4.5, HunYuan and Granite MoE (whose loss then fails), and Llama 4's MoE output under that name."""
+    with torch.no_grad():
+        recorded = getattr(source(ids, output_router_logits=True), "router_logits", None)
+    return bool(recorded) and all(logits.shape[-1] == experts for logits in recorded)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_standard_mode_equals_the_family_bit_for_bit(case):
+    """Logits and loss, and an MoE family's router logits and load-balancing loss where its own model returns them."""
     source = source_model(case)
     config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
     moe = FAMILIES[config.family].moe
     model = AttnResForCausalLM(config).eval()
     assert model.config._attn_implementation == source.config._attn_implementation
-    assert set(model.state_dict()) == set(source.state_dict())  # the family's names, nothing added
-    model.load_state_dict(source.state_dict())
+    state_dict = family_state_dict(source, config)
+    assert set(model.state_dict()) == set(state_dict)  # the family's names, nothing added
+    model.load_state_dict(state_dict)
     ids, mask = padded_batch()
+    routed = moe is not None and records_router_logits(source, ids, getattr(config, moe.experts))
     with torch.no_grad():
-        expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=moe)
-        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=moe)
+        expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=routed)
+        actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=routed)
     assert torch.equal(actual.logits, expected.logits)
     assert torch.equal(actual.loss, expected.loss)  # the router's load-balancing loss included
-    if moe:
-        assert torch.equal(actual.aux_loss, expected.aux_loss)
+    if moe and Version(transformers.__version__) >= Version("5.25"):
+        assert routed  # every MoE family's own model returns its router logits in the newest Transformers
+    if routed:
+        assert len(actual.router_logits) == len(expected.router_logits) > 0  # the MoE layers', not the dense ones'
+        assert all(map(torch.equal, actual.router_logits, expected.router_logits))
+        if moe.load_balancing_loss:
+            assert torch.equal(actual.aux_loss, expected.aux_loss)
+        else:  # DeepSeek-V3, GLM-4.5, HunYuan and Llama 4 balance their experts with no loss
+            assert actual.aux_loss is None and expected.aux_loss is None
+
+
+# One case of each family.
+FAMILY_CASES = {model_type: case for case, (model_type, _) in reversed(CASES.items())}
+# The configs whose modules the rest of a family's plan names: DeepSeek's `q_proj`, where queries are not low-rank.
+PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2"), dict(q_lora_rank=None))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_parallel_plans_name_modules_of_the_model(model_type):
+    """Every pattern of the family's tensor-parallel plan (its own, with the experts sharded where it leaves them
+    whole) and of its expert-parallel plan names modules or parameters of the model, as Transformers matches them."""
+    names = set()
+    for overrides in ({}, PLAN_VARIANTS.get(model_type)):
+        if overrides is not None:
+            source = source_model(FAMILY_CASES[model_type], **overrides)
+            config = attnres_config(source.config, mode="block", block_size=None, exact_retrofit=True)
+            model = AttnResForCausalLM(config).model
+            names |= {name for name, _ in model.named_modules()} | {name for name, _ in model.named_parameters()}
+    family = FAMILIES[model_type]
+    plans = {**(family.tp_plan or {}), **(family.ep_plan or {})}
+    assert config.base_model_tp_plan == family.tp_plan and config.base_model_ep_plan == family.ep_plan
+    patterns = {pattern: re.compile(re.escape(pattern).replace(r"\*", r"\d+")) for pattern in plans}
+    assert [pattern for pattern, regex in patterns.items() if not any(map(regex.fullmatch, names))] == []
+    # The experts are sharded or placed (Llama 4's by its tensor-parallel plan alone), where the family's own plans or
+    # its Mixtral layout do (Aria's have neither in Transformers 5.16).
+    own_plans = {**(family.config_class.base_model_tp_plan or {}), **(family.ep_plan or {})}
+    if family.moe and (family.moe.mixtral_experts or any(".experts" in pattern for pattern in own_plans)):
+        assert any(".experts" in pattern for pattern in plans)
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +268,51 @@ def test_conversion_verifies_within_1e_4(converted, case, mode):
     assert config["family"] == CASES[case][0] and config["residual_mode"] == mode
 
 
+# The MoE families whose checkpoints Transformers saves one expert at a time (`experts.N.gate_proj`, Mixtral's and
+# MiniMax-M2's `block_sparse_moe.experts.N.w1`), which conversion fuses into the family's stacked experts; the others
+# save them stacked (Granite MoE under its own names, which conversion renames as Transformers does).
+PER_EXPERT_FAMILIES = {
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "olmoe",
+    "minimax_m2",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "hy_v3",
+    "flint",
+    "exaone_moe",
+    "dots1",
+    "deepseek_v2",
+    "glm4_moe_lite",
+    "axk1",
+    "flex_olmo",
+    "afmoe",
+    "deepseek_v32",
+    "axk2",
+    "kimi_linear",
+    "lfm2_moe",
+}
+
+
+@pytest.mark.parametrize("case", [case for case, (model_type, _) in CASES.items() if FAMILIES[model_type].moe])
+def test_moe_checkpoints_convert_from_the_layout_transformers_saves(converted, case):
+    """The sources above are the family's checkpoints as `save_pretrained` writes them, so the conversions that verify
+    read the per-expert layout where the family stores one."""
+    source, _, _ = converted[case, "block"]
+    with safe_open(source / "model.safetensors", "pt") as reader:
+        per_expert = any(re.search(r"\.experts\.\d+\.", name) for name in reader.keys())
+    assert per_expert == (CASES[case][0] in PER_EXPERT_FAMILIES)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_generation_equals_the_source_through_the_familys_cache(converted, case):
     source_folder, destination, _ = converted[case, "block"]
-    source = AutoModelForCausalLM.from_pretrained(source_folder).eval()
+    source = causal_lm_class(source_folder).from_pretrained(source_folder).eval()
     model = AutoModelForCausalLM.from_pretrained(destination).eval()
     ids, mask = padded_batch()
     arguments = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
@@ -167,20 +325,27 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
         assert "DynamicSlidingWindowLayer" in layer_kinds  # Gemma's hybrid cache: windowed layers keep a window
 
 
-# Linear layers that are not projections: the output head, and the routers and Qwen2-MoE's shared-expert gate.
-NOT_PROJECTIONS = {"lm_head", "gate", "shared_expert_gate"}
+# Linear layers that are not projections: the output head (BioGPT's `output_projection`), the routers (HunYuan's
+# `gate.wg`, Llama 4's `router`), Qwen2-MoE's shared-expert gate and the indexer of DeepSeek-V3.2's sparse attention
+# (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient).
+NOT_PROJECTIONS = {
+    "lm_head", "output_projection", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk", "weights_proj"
+}
 
 
 def projection_names(model: nn.Module) -> set[str]:
-    """The names of the linear layers inside the sublayers, as LoRA targets them (`q_proj`, `qkv_proj`, ...)."""
-    linears = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    """The names of the linear layers inside the sublayers, as LoRA targets them (`q_proj`, `qkv_proj`, ...; GPT-2's
+    `Conv1D` layers, which are linear layers with a transposed weight)."""
+    linears = {
+        name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))
+    }
     return linears - NOT_PROJECTIONS
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_step_with_lora_on_the_familys_projection_names(converted, tmp_path, case):
     source_folder, destination, _ = converted[case, "block"]
-    targets = sorted(projection_names(AutoModelForCausalLM.from_pretrained(source_folder)))
+    targets = sorted(projection_names(causal_lm_class(source_folder).from_pretrained(source_folder)))
     model = AutoModelForCausalLM.from_pretrained(destination)
     assert projection_names(model) == set(targets)
     assert set(targets) <= set(PROJECTION_TARGET_MODULES)  # `lora_config()`'s default reaches every projection
@@ -203,8 +368,17 @@ REMOTE_SCRIPT = """
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 report = {}
 for folder, ids_path in json.loads(sys.argv[1]).items():
+    family = json.load(open(folder + "/config.json"))["family"]
+    if family not in CONFIG_MAPPING:  # a family newer than this environment's Transformers
+        try:
+            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+            report[folder] = {"refusal": None}
+        except ValueError as error:
+            report[folder] = {"refusal": str(error)}
+        continue
     ids = torch.load(ids_path)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     with torch.no_grad():
@@ -215,6 +389,7 @@ print("REPORT " + json.dumps(report))
 
 
 def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
+    """Where the environment's Transformers has the family; where it has not, the checkpoint is refused in one line."""
     if not VENV_WITHOUT_ATTNRES.exists():
         pytest.skip("no environment without attnres: run scripts/setup_engines.sh")
     ids = prompt_ids()
@@ -231,6 +406,11 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report.pop("attnres_imported") == []
     for folder in folders:
+        if "refusal" in report[folder]:  # InternLM3 where Transformers has no such family: refused, naming it
+            family = json.loads((Path(folder) / "config.json").read_text())["family"]
+            assert report[folder]["refusal"].startswith(f"AttnResConfig.family={family!r}: must be one of the families")
+            assert "\n" not in report[folder]["refusal"]
+            continue
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         with torch.no_grad():
             expected = model(ids).logits
@@ -241,13 +421,37 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
 @pytest.mark.parametrize(
     "model_type, fields, structure",
     [
-        ("gpt_neox", {}, "parallel residual"),
+        case
+        for case in [
         ("gptj", {}, "parallel residual"),
         ("phi", {}, "parallel residual"),
         ("cohere", {}, "parallel residual"),
         ("bert", {}, "true post-norm"),
         ("opt", dict(do_layer_norm_before=False), "true post-norm"),
-        ("gpt2", {}, "attnres/families.py has no row"),
+        ("bloom", dict(apply_residual_connection_post_layernorm=True), "normed residual"),
+        ("stablelm", dict(use_parallel_residual=True), "parallel residual"),
+        ("gemma4_text", {}, "per-layer scalar on the whole stream"),
+        ("gemma4_unified_text", {}, "per-layer scalar on the whole stream"),
+        ("gemma4", {}, "multimodal model: .* Gemma 4 text decoder, which is refused too"),
+        ("gemma4_unified", {}, "multimodal model: .* Gemma 4 text decoder, which is refused too"),
+        ("gemma4_unified_assistant", {}, "drafter for Gemma 4's assisted decoding"),
+        ("mllama", {}, "gated cross-attention layers"),
+        ("mllama_text_model", {}, "gated cross-attention layers"),
+        ("moshi", {}, "speech-text model with a depth decoder"),
+        ("blt", {}, "byte-level hierarchy"),
+        ("mpt", {}, "attnres/families.py has no row"),
+        ("gemma3", {}, "multimodal model: .* `gemma3_text` text decoder, which converts alone"),
+        ("llama4", {}, "multimodal model: .* `llama4_text` text decoder, which converts alone"),
+        ("qwen3_5", {}, "multimodal model: .* `qwen3_5_text` text decoder, which converts alone"),
+        ("qwen3_5_moe", {}, "multimodal model: .* `qwen3_5_moe_text` text decoder, which converts alone"),
+        ("emu3", {}, "multimodal model: .* `emu3_text_model` text decoder, which converts alone"),
+        ("got_ocr2", {}, "multimodal model: .* `qwen2` text decoder, which converts alone"),
+        ("moss_transcribe_diarize", {}, "multimodal model: .* `qwen3` text decoder, which converts alone"),
+        ("phi4_multimodal", {}, "multimodal model: .* `phi3` text decoder, which converts alone"),
+        ("fuyu", {}, "multimodal model: .* `persimmon` text decoder"),
+        ("hrm_text", {}, "hierarchical recurrence"),
+        ]
+        if case[0] in CONFIG_MAPPING  # the model types of this Transformers (MOSS-Transcribe is newer than 5.16)
     ],
 )
 def test_what_is_refused_is_refused_for_the_true_reason(model_type, fields, structure):
@@ -255,6 +459,25 @@ def test_what_is_refused_is_refused_for_the_true_reason(model_type, fields, stru
     config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
     with pytest.raises(ConversionError, match=structure) as error:
         attnres_config(config, mode="block", block_size=None, exact_retrofit=True)
+    assert "\n" not in str(error.value)
+
+
+def test_a_multimodal_refusal_names_a_text_family_that_converts():
+    """A multimodal model is refused naming the family its text decoder converts as: a family of the table."""
+    converting = {
+        model_type: reason
+        for model_type, reason in REFUSED_MODEL_TYPES.items()
+        if model_type in CONFIG_MAPPING and reason.startswith("a multimodal model") and "converts alone" in reason
+    }
+    assert {"gemma3", "llama4"} <= converting.keys()  # in every supported Transformers
+    for model_type, reason in converting.items():
+        assert re.search(r"`(\w+)` text decoder, which converts alone", reason).group(1) in FAMILIES, model_type
+
+
+def test_an_attnres_config_refuses_stablelms_parallel_residual_in_one_line():
+    message = r"^AttnResConfig.use_parallel_residual=True: must be False: a parallel residual"
+    with pytest.raises(ValueError, match=message) as error:
+        AttnResConfig(family="stablelm", **COMMON, use_parallel_residual=True)
     assert "\n" not in str(error.value)
 
 

@@ -4,6 +4,7 @@ one process: each step's loss and every parameter's gradient, the bytes the cros
 formula of docs/design.md §11, a saved checkpoint reloaded in one process, FSDP2 inside the stages, bf16 autocast
 against the family's own model pipelined the same way; and examples/pretrain_pp.py."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 from conftest import error_lines, randomize_depth_parameters, tiny_config
 from distributed_pipeline import BATCH, CASES, SEQ_LEN, SHAPE, batches, build_model, reference_step
 from family_cases import CASES as FAMILY_CASES
-from family_cases import prompt_ids, source_model
+from family_cases import COMMON, prompt_ids, source_model
 from test_training import GRADIENT_BOUND, LOSS_BOUND, launch, launcher_env
 from transformers import AutoModelForCausalLM
 
@@ -121,9 +122,19 @@ def test_every_family_splits_into_stages_that_compute_the_model(case, cached):
     """In one process, the stages of every decoder family chained in order (2 ranks x 2 stages of one layer, blocks
     of 3 sublayers spanning the cuts; a rank's stages share its cache) give the model's logits, and for the MoE
     families its load-balancing loss: the per-type masks and rotary embeddings, multipliers and soft-caps of each
-    family reach the stages that read them."""
-    moe = FAMILIES[FAMILY_CASES[case][0]].moe
-    source = source_model(case, num_hidden_layers=4, **(dict(output_router_logits=True) if moe else {}))
+    family reach the stages that read them, and a hybrid's linear attentions their recurrent masks."""
+    model_type, fields = FAMILY_CASES[case]
+    moe = FAMILIES[model_type].moe
+    overrides = dict(num_hidden_layers=4)
+    family_fields = {field.name for field in dataclasses.fields(FAMILIES[model_type].config_class)}
+    if moe and "output_router_logits" in family_fields:  # Aria's config has no such field
+        overrides["output_router_logits"] = True
+    layers = fields.get("num_hidden_layers", COMMON["num_hidden_layers"])
+    for name, value in fields.items():  # the case's per-layer settings (layer types, MLP types), cycled
+        if isinstance(value, list) and len(value) == layers:
+            overrides[name] = (value * 4)[:4]
+    source = source_model(case, **overrides)
+    with_loss = bool(moe and moe.load_balancing_loss)  # DeepSeek-V3, GLM-4.5, HunYuan, Llama 4: logits only
     config = attnres_config(source.config, mode="block", block_size=3, exact_retrofit=False)
     torch.manual_seed(0)
     model = AttnResForCausalLM(config).eval()
@@ -141,9 +152,9 @@ def test_every_family_splits_into_stages_that_compute_the_model(case, cached):
         for module in modules:
             module.microbatch = 0
             outputs = module(*outputs)
-    logits, aux_loss = outputs if moe else (outputs, None)
+    logits, aux_loss = outputs if with_loss else (outputs, None)
     torch.testing.assert_close(logits, expected.logits, rtol=0, atol=1e-5)
-    if moe:
+    if with_loss:
         torch.testing.assert_close(aux_loss[0], expected.aux_loss, rtol=0, atol=1e-6)
 
 

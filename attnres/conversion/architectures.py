@@ -4,7 +4,8 @@ A checkpoint converts exactly when its residual stream is a plain sum of its sub
 norms inside `g`, because then the AttnRes model with zero pseudo-queries computes the same function
 (docs/design.md §5). Every family in `attnres/families.py` is such a decoder, and the AttnRes model is built from the
 family's own modules, so its config maps field by field and its tensors keep their names. True post-norm
-(`norm(h + f(h))`) and parallel-residual decoders break the identity and are refused with the reason.
+(`norm(h + f(h))`), parallel residuals, streams scaled or mixed rather than summed, encoders and the decoders of
+encoder-decoders break the identity (or are no decoder family) and are refused with the reason.
 """
 
 import re
@@ -12,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
 
 from ..configuration_attnres import AttnResConfig
 from ..families import FAMILIES, Family
@@ -21,7 +24,8 @@ class ConversionError(ValueError):
     """The source cannot be converted (unsupported architecture, malformed checkpoint, unsafe paths...)."""
 
 
-SUPPORTED_ARCHITECTURES = {family.architecture: family for family in FAMILIES.values()}
+# The architectures a source may declare: its family's (InternLM3 runs, and Transformers saves, `LlamaForCausalLM`).
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(family.architecture for family in FAMILIES.values()))
 
 # Model types whose residual layout has no exact AttnRes counterpart, with the reason given to the user; keyed by
 # model type so that every head of a family (BertForMaskedLM as much as BertLMHeadModel) gets the reason.
@@ -29,13 +33,176 @@ _POST_NORM = (
     "true post-norm sublayers, norm(h + f(h)): the norm is applied to the residual stream itself, so the stream is "
     "not a plain sum of the sublayers' outputs"
 )
+# BLOOM's `apply_residual_connection_post_layernorm=True` (BloomBlock.forward: `residual = layernorm_output` before
+# each sublayer's add).
+_NORMED_RESIDUAL = (
+    "a normed residual, norm(h) + f(norm(h)) (apply_residual_connection_post_layernorm=True): each sublayer adds to "
+    "the normed stream, so the stream is not a plain sum of the sublayers' outputs"
+)
 _PARALLEL = (
     "a parallel residual, h + attn(h) + mlp(h): attention and MLP read the same input, so there is no sublayer order "
     "to attend over"
 )
+_HYPER_CONNECTIONS = (
+    "hyper-connections, several residual streams mixed by learned, input-dependent matrices around each layer: the "
+    "stream is not a plain sum of the sublayers' outputs"
+)
+_ALTUP = (
+    "AltUp, several residual streams that each layer predicts and corrects with learned coefficients: the stream is "
+    "not a plain sum of the sublayers' outputs"
+)
+_STREAM_SCALE = (
+    "a learned per-channel scale or gate on the whole stream, s * h + f(h): the stream is not a plain sum of the "
+    "sublayers' outputs"
+)
+_DEPTH_SCALED = (
+    "a stream rescaled at every residual add, sqrt((i - 1) / i) * h + f(h) / sqrt(i): the stream is not a plain sum "
+    "of the sublayers' outputs"
+)
+_REVERSIBLE = (
+    "reversible residual layers, two streams that each add the other's sublayer, Y1 = X1 + attn(X2) and "
+    "Y2 = X2 + ffn(Y1), concatenated at the end: there is no single residual stream"
+)
+_HIERARCHICAL_RECURRENCE = (
+    "a hierarchical recurrence, two layer stacks run in cycles over a slow and a fast stream, each stack's output "
+    "normalised as a whole and added into the other stack's input: the stream is not a plain sum of the sublayers' "
+    "outputs"
+)
+_ENCODER = (
+    "an encoder's layers (BERT-style, bidirectional unless is_decoder=True): an encoder, not a decoder family"
+)
+_ENCODER_DECODER = (
+    "the decoder of an encoder-decoder model, whose layers cross-attend to the encoder: not a decoder-only family"
+)
+_LAYER_SCALAR = (
+    "a per-layer scalar on the whole stream: h <- s_i * (h + attn(h) + mlp(h)) at the end of each layer "
+    "(`layer_scalar`, a buffer the checkpoint sets), so the stream is not a plain sum of the sublayers' outputs"
+)
+_GEMMA4_MULTIMODAL = (
+    "a multimodal model: image and audio inputs embedded beside a Gemma 4 text decoder, which is refused too: it "
+    "multiplies the whole stream by a per-layer scalar (`layer_scalar`) at the end of each layer"
+)
+_CROSS_ATTENTION_LAYERS = (
+    "gated cross-attention layers among the text decoder's layers: h + tanh(g) * cross_attn(h, image states) at the "
+    "`cross_attention_layers`, which read the vision encoder's states and are skipped without an image; a "
+    "vision-language decoder, not a decoder-only family"
+)
+
+
+def _multimodal(inputs: str, text_family: str, text_architecture: str) -> str:
+    """A model whose causal-LM class holds other modalities' encoders beside a text decoder that the family table has:
+    the whole model has no counterpart, its text decoder converts alone."""
+    return (
+        f"a multimodal model: {inputs} beside a `{text_family}` text decoder, which converts alone: save the language "
+        f"model with the LM head as a {text_architecture} checkpoint and convert that"
+    )
+
+
+# Each entry read off the family's modeling code in Transformers 5.25 (its decoder layer's forward; for multimodal
+# models, the `*Model` that holds the encoders and the text decoder).
 REFUSED_MODEL_TYPES = {
-    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "distilbert", "electra"), _POST_NORM),
-    **dict.fromkeys(("gpt_neox", "gptj", "phi", "cohere", "cohere2"), _PARALLEL),
+    **dict.fromkeys(
+        (
+            "bert",
+            "roberta",
+            "xlm-roberta",
+            "distilbert",
+            "electra",
+            "camembert",
+            "data2vec-text",
+            "ernie",
+            "roc_bert",
+            "roformer",
+            "rembert",
+            "xmod",
+            "big_bird",
+            "bert-generation",
+            "git",
+            "openai-gpt",
+            "xlnet",
+            "xlm",
+        ),
+        _POST_NORM,
+    ),
+    **dict.fromkeys(
+        ("gpt_neox", "gptj", "phi", "cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "codegen"), _PARALLEL
+    ),
+    **dict.fromkeys(("deepseek_v4", "hy_v4"), _HYPER_CONNECTIONS),
+    **dict.fromkeys(("gemma3n", "gemma3n_text"), _ALTUP),
+    **dict.fromkeys(("doge", "ergo", "zaya"), _STREAM_SCALE),
+    "beam": _DEPTH_SCALED,
+    "reformer": _REVERSIBLE,
+    # HrmTextModel.forward: `L_module(z_L + z_H)` L_cycles times, then `z_H = H_module(z_H + z_L)`, H_cycles times;
+    # HrmTextStack.forward ends in `final_norm(hidden_states)`.
+    "hrm_text": _HIERARCHICAL_RECURRENCE,
+    **dict.fromkeys(("megatron-bert", "roberta-prelayernorm", "xlm-roberta-xl"), _ENCODER),
+    **dict.fromkeys(
+        (
+            "bart",
+            "mbart",
+            "blenderbot",
+            "blenderbot-small",
+            "marian",
+            "pegasus",
+            "plbart",
+            "mvp",
+            "bigbird_pegasus",
+            "prophetnet",
+            "trocr",
+            "whisper",
+            "musicgen",
+            "musicgen_melody",
+        ),
+        _ENCODER_DECODER,
+    ),
+    # `Gemma4TextDecoderLayer.forward` and `Gemma4UnifiedTextDecoderLayer.forward` end with
+    # `hidden_states *= self.layer_scalar`, after both residual adds (and Gemma 4's per-layer-input branch).
+    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"), _LAYER_SCALAR),
+    # `Gemma4Model` holds a vision and an audio tower beside the text model, `Gemma4UnifiedModel` patch and waveform
+    # embedders; both text models are the layer-scaled decoders above.
+    **dict.fromkeys(("gemma4", "gemma4_unified"), _GEMMA4_MULTIMODAL),
+    # `Gemma4UnifiedAssistantForCausalLM.forward` takes no token ids: it projects the target model's hidden states
+    # (`pre_projection`), and its config makes every layer reuse the target's keys and values (`num_kv_shared_layers`).
+    "gemma4_unified_assistant": (
+        "a drafter for Gemma 4's assisted decoding: it reads the target model's hidden states and attends to the "
+        "target's keys and values, through Gemma 4 layers that multiply the whole stream by a per-layer scalar: not a "
+        "standalone decoder"
+    ),
+    # `MllamaTextModel` builds `MllamaCrossAttentionDecoderLayer` at the `cross_attention_layers` indices, residuals
+    # gated by `cross_attn_attn_gate.tanh()` and `cross_attn_mlp_gate.tanh()`, skipped when no image states are given.
+    **dict.fromkeys(("mllama", "mllama_text_model"), _CROSS_ATTENTION_LAYERS),
+    # `MoshiForConditionalGeneration` (the checkpoints' class) holds the audio codec, the temporal transformer that
+    # `MoshiForCausalLM` is, fed the sum of the text and audio-codebook embeddings, and `MoshiDepthDecoder`.
+    "moshi": (
+        "a speech-text model with a depth decoder (Moshi): a temporal transformer over the sum of the text and "
+        "audio-codebook embeddings, and a depth decoder that predicts each step's audio codebooks from its output; "
+        "MoshiForCausalLM is the temporal transformer with its text head alone, not a text decoder family"
+    ),
+    # `BltModel` holds `BltLocalEncoder`, `BltGlobalTransformer`, `BltLocalDecoder` and `BltPatcher`, the decoder's
+    # layers cross-attending to the patch states.
+    "blt": (
+        "a byte-level hierarchy (Byte Latent Transformer): a local encoder over bytes and hash n-gram embeddings, a "
+        "global transformer over the patches an entropy model cuts, and a local decoder that cross-attends to the "
+        "patch states: no single decoder stack"
+    ),
+    # Multimodal models (the encoders in each `*Model.__init__`) whose text decoder is a family of the table.
+    "gemma3": _multimodal("a SigLIP vision tower and a projector", "gemma3_text", "Gemma3ForCausalLM"),
+    "llama4": _multimodal("a vision encoder and a projector", "llama4_text", "Llama4ForCausalLM"),
+    "qwen3_5": _multimodal("a vision encoder", "qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": _multimodal("a vision encoder", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+    "emu3": _multimodal("a VQ-VAE image tokenizer", "emu3_text_model", "Emu3ForCausalLM"),
+    "got_ocr2": _multimodal("a SAM vision encoder and a projector", "qwen2", "Qwen2ForCausalLM"),
+    "moss_transcribe_diarize": _multimodal("an audio encoder and a projector", "qwen3", "Qwen3ForCausalLM"),
+    # `Phi4MultimodalModel.embed_tokens_extend` embeds images and audio; its decoder layers are Phi-3's, under
+    # Phi-3's names.
+    "phi4_multimodal": _multimodal(
+        "image and audio embedders in its embedding layer", "phi3", "Phi3ForCausalLM"
+    ),
+    # `FuyuModel` projects image patches (`vision_embed_tokens`) into the embeddings of its `text_config` model.
+    "fuyu": (
+        "a multimodal model: image patches projected straight into the embeddings of a `persimmon` text decoder, "
+        "which the family table does not hold yet"
+    ),
 }
 # Config fields that are not part of a family's model: `AttnResConfig` sets its own.
 _NOT_COPIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
@@ -56,11 +223,14 @@ def source_architecture(config: PreTrainedConfig) -> Family:
     name = architectures[0]
     if getattr(config, "use_parallel_residual", False) or getattr(config, "parallel_attn", False):
         raise ConversionError(f"{name} uses {_PARALLEL}; AttnRes conversion is exact only for residual-sum decoders.")
+    if getattr(config, "apply_residual_connection_post_layernorm", False):
+        reason = _NORMED_RESIDUAL
+        raise ConversionError(f"{name} uses {reason}; AttnRes conversion is exact only for residual-sum decoders.")
     if config.model_type in REFUSED_MODEL_TYPES or getattr(config, "do_layer_norm_before", True) is False:
         reason = REFUSED_MODEL_TYPES.get(config.model_type, _POST_NORM)
         raise ConversionError(f"{name} uses {reason}; AttnRes conversion is exact only for residual-sum decoders.")
-    family = SUPPORTED_ARCHITECTURES.get(name)
-    if family is None or family.model_type != config.model_type:
+    family = FAMILIES.get(config.model_type)
+    if family is None or family.architecture != name:
         raise ConversionError(
             f"Unsupported architecture {name} (model_type {config.model_type!r}): attnres/families.py has no row "
             f"for it. Supported: {_supported_list()}."
@@ -100,57 +270,109 @@ def attnres_config(
     )
 
 
-# Tensors some checkpoints carry that are recomputed from the config, not learned.
-_DERIVED_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$")
-# The per-expert layout MoE checkpoints are stored in (and Transformers saves them in): Mixtral's `w1` (gate), `w3`
-# (up) and `w2` (down) under `block_sparse_moe`, Qwen's `gate_proj`, `up_proj` and `down_proj` under `mlp`.
+# Tensors some checkpoints carry that are recomputed from the config, not learned: rotary frequencies, and the causal
+# masks that GPT-2's and GPT-Neo's older checkpoints hold under their attention (`attn.bias`, `attn.masked_bias`).
+_DERIVED_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$|\.attn(\.attention)?\.(bias|masked_bias)$")
+# The per-expert layout MoE checkpoints are stored in (and Transformers saves most of them in), once the family's
+# renamings have run: Mixtral's `w1` (gate), `w3` (up) and `w2` (down), Qwen's and DeepSeek's `gate_proj`, `up_proj`
+# and `down_proj`, under the family's MoE module.
 _PER_EXPERT = re.compile(
-    r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
+    r"^(model\.layers\.\d+\.[\w.]+)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+def checkpoint_renamings(model_type: str) -> list[WeightRenaming]:
+    """The renamings Transformers applies to a checkpoint of the family as it loads one, from the family's conversion
+    mapping (Mixtral's and MiniMax-M2's `block_sparse_moe` to `mlp`, Granite MoE's `input_linear` to
+    `experts.gate_up_proj`, Ernie 4.5 MoE's `moe_statics` into the router). Transformers hands out a copy, since its
+    objects record their use."""
+    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    return [transform for transform in mapping if isinstance(transform, WeightRenaming)]
+
+
+def checkpoint_concatenations(model_type: str) -> list[tuple[list[str], str, int]]:
+    """The tensors Transformers concatenates into one as it loads a checkpoint of the family, from its conversion
+    mapping: each as the patterns of the parts in order, the pattern of the whole and the dimension (Kimi Linear's
+    `q_conv1d`, `k_conv1d` and `v_conv1d` into one `conv1d`). Per-expert tensors are fused by `TensorRenamer`."""
+    return [
+        (list(transform.source_patterns), transform.target_patterns[0], transform.operations[0].dim)
+        for transform in get_checkpoint_conversion_mapping(model_type) or []
+        if isinstance(transform, WeightConverter)
+        and len(transform.operations) == 1
+        and type(transform.operations[0]) is Concatenate
+        and len(transform.target_patterns) == 1
+    ]
 
 
 class TensorRenamer:
     """Streams source tensors into AttnRes names, shard by shard.
 
-    Tensors keep the family's names. MoE checkpoints in the per-expert layout are fused into the stacked
-    `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` tensors that the family's experts module holds (as
-    Transformers fuses them when it loads one); a layer's experts may span shards, so they wait in a buffer until the
-    layer's last expert tensor arrives.
+    Tensors keep the family's names, as Transformers renames them when it loads a checkpoint of the family. MoE
+    checkpoints in the per-expert layout are fused into the stacked `experts.gate_up_proj` / `experts.down_proj`
+    tensors that the family's experts module holds (as Transformers' conversion mapping stacks them); a layer's experts
+    may span shards, so they wait in a buffer until the layer's last expert tensor arrives. Tensors that the family's
+    mapping concatenates (`checkpoint_concatenations`) wait the same way for their last part.
     """
 
     def __init__(self, config: AttnResConfig):
-        self.num_experts = config.num_experts if FAMILIES[config.family].moe else 0
+        moe = FAMILIES[config.family].moe
+        self.num_experts = getattr(config, moe.experts) if moe else 0
         self.tied = config.tie_word_embeddings
+        self.renamings = checkpoint_renamings(config.family)
+        self.family_renamings = [
+            (re.compile(pattern), replacement) for pattern, replacement in FAMILIES[config.family].checkpoint_renamings
+        ]
+        self.concatenations = checkpoint_concatenations(config.family)
         self._pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+        self._parts: dict[str, dict[int, torch.Tensor]] = {}
 
     def __call__(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        for renaming in self.renamings:
+            name, _ = renaming.rename_source_key(name)
+        for pattern, replacement in self.family_renamings:
+            name = pattern.sub(replacement, name)
         if _DERIVED_BUFFER.search(name) or (self.tied and name == "lm_head.weight"):
             return
+        for parts, whole, dim in self.concatenations:
+            for index, pattern in enumerate(parts):
+                if (match := re.search(pattern, name)) is None:
+                    continue
+                fused = name[: match.start()] + whole + name[match.end() :]
+                pending = self._parts.setdefault(fused, {})
+                pending[index] = tensor
+                if len(pending) == len(parts):
+                    del self._parts[fused]
+                    yield fused, torch.cat([pending[i] for i in range(len(parts))], dim=dim)
+                return
         expert = _PER_EXPERT.match(name)
         if expert is None:
-            yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+            yield name, tensor
             return
-        layer, index, kind = expert.group(1), int(expert.group(2)), _EXPERT_PART[expert.group(3)]
+        module, index, kind = expert.group(1), int(expert.group(2)), _EXPERT_PART[expert.group(3)]
         if not 0 <= index < self.num_experts:
             raise ConversionError(f"{name}: expert {index} does not exist (the config has {self.num_experts} experts).")
-        pending = self._pending.setdefault(layer, {})
+        pending = self._pending.setdefault(module, {})
         pending[kind, index] = tensor
         if len(pending) == 3 * self.num_experts:
-            del self._pending[layer]
+            del self._pending[module]
             experts = range(self.num_experts)
             gate = torch.stack([pending["gate", e] for e in experts])
             up = torch.stack([pending["up", e] for e in experts])
-            yield f"{layer}.mlp.experts.gate_up_proj", torch.cat([gate, up], dim=1)
-            yield f"{layer}.mlp.experts.down_proj", torch.stack([pending["down", e] for e in experts])
+            yield f"{module}.experts.gate_up_proj", torch.cat([gate, up], dim=1)
+            yield f"{module}.experts.down_proj", torch.stack([pending["down", e] for e in experts])
 
     def finish(self) -> None:
-        """Fail if some layer's experts never completed (a truncated or inconsistent checkpoint)."""
+        """Fail if some layer's experts, or some concatenated tensor, never completed (a truncated or inconsistent
+        checkpoint)."""
+        if self._parts:
+            name, parts = next(iter(self._parts.items()))
+            raise ConversionError(f"{name}: only {len(parts)} of its parts were found in the checkpoint.")
         if self._pending:
-            layer, tensors = next(iter(self._pending.items()))
+            module, tensors = next(iter(self._pending.items()))
             raise ConversionError(
-                f"{layer}: only {len(tensors)} of {3 * self.num_experts} expert tensors (gate, up and down per expert) "
-                "were found in the checkpoint."
+                f"{module}: only {len(tensors)} of {3 * self.num_experts} expert tensors (gate, up and down per "
+                "expert) were found in the checkpoint."
             )
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..families import FAMILIES
 from ..inputs import ModelSource
 from .architectures import ConversionError
 
@@ -112,6 +113,16 @@ def raw_source_config(source: ModelSource, revision: str | None = None) -> dict 
         return json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise ConversionError(f"{path}: not a readable config.json ({error})") from None
+
+
+def causal_lm_class(folder: Path) -> type:
+    """The class that loads the Transformers model in `folder`: its family's `*ForCausalLM` where the family table has
+    its model type, which `AutoModelForCausalLM` does not always map (it maps Emu3's composite config, not the text
+    config that `Emu3ForCausalLM` saves), else `AutoModelForCausalLM` (an FLA checkpoint being exported back)."""
+    from transformers import AutoModelForCausalLM
+
+    family = FAMILIES.get(json.loads((Path(folder) / "config.json").read_text()).get("model_type"))
+    return family.causal_lm_class if family is not None else AutoModelForCausalLM
 
 
 def resolve_source(source: ModelSource, *, staging: Path, description: str, revision: str | None = None) -> LocalSource:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 from torch.nn import functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from ..modeling_attnres import AttnResForCausalLM
+from .sources import causal_lm_class
 
 
 PROBE_PROMPTS = (
@@ -282,7 +283,7 @@ def verify_conversion(
     source, converted = Path(source), Path(converted)
     tokenizer = AutoTokenizer.from_pretrained(source) if has_tokenizer(source) else None
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=weights_dtype or dtype).to(dtype)
+    model = causal_lm_class(source).from_pretrained(source, dtype=weights_dtype or dtype).to(dtype)
     check_verification_text(source, model.config.vocab_size, text, f"source={str(source)!r}")
     probes = _probes(tokenizer, model.config.vocab_size, text, max_text_tokens)
     eos = model.generation_config.eos_token_id

@@ -37,7 +37,14 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from ..depth_mixing import gather_queries
 from ..depth_state import DepthContext, ResidualStream
 from ..families import FAMILIES
-from ..modeling_attnres import AttnResForCausalLM, attention_masks, family_logits, pre_norm, rotary_embeddings
+from ..modeling_attnres import (
+    AttnResForCausalLM,
+    attention_masks,
+    family_embeddings,
+    family_logits,
+    pre_norm,
+    rotary_embeddings,
+)
 
 
 # The engine's schedules whose backward is one pass per stage and microbatch. Cached blocks receive their gradients
@@ -114,8 +121,11 @@ class PipelineLayout(NamedTuple):
             bounds.append(bounds[-1] + per_stage + (stage < remainder))
         layers = tuple(range(start, stop) for start, stop in zip(bounds, bounds[1:]))
         block_size = None if config.residual_mode == "standard" else config.depth_block_size
-        with_aux_loss = FAMILIES[config.family].moe and config.output_router_logits
-        routers = tuple(i for i, layer in enumerate(model.model.layers) if with_aux_loss and has_router(layer))
+        moe = FAMILIES[config.family].moe
+        with_aux_loss = bool(moe and moe.load_balancing_loss and config.output_router_logits)
+        routers = tuple(
+            i for i, layer in enumerate(model.model.layers) if with_aux_loss and moe.router_of(layer) is not None
+        )
         return cls(layers, num_ranks, config.num_sublayers, block_size, routers)
 
     @property
@@ -157,13 +167,6 @@ class PipelineLayout(NamedTuple):
     def tensors_sent(self, cached: bool) -> int:
         """Tensors the forward pass sends per microbatch, over every boundary."""
         return sum(self.transfer(stage, cached).num_tensors for stage in range(self.num_stages - 1))
-
-
-def has_router(layer: nn.Module) -> bool:
-    """Whether a decoder layer's MLP is a sparse MoE, whose router (`mlp.gate`, in every MoE family) returns the
-    logits the load-balancing loss reads, as `AttnResPreTrainedModel._can_record_outputs` records them."""
-    gate = getattr(layer.mlp, "gate", None)
-    return isinstance(gate, nn.Module)
 
 
 class Boundary(NamedTuple):
@@ -260,25 +263,26 @@ class AttnResStage(nn.Module):
         self.model = nn.Module()
         if self.is_first:
             self.model.embed_tokens = backbone.embed_tokens
+            self.model.embed_positions = backbone.embed_positions
         self.model.layers = nn.ModuleDict({str(i): backbone.layers[i] for i in layout.stage_layers[stage]})
         self.model.rotary_emb = backbone.rotary_emb  # buffers only: every stage may hold it
         if self.is_last:
             self.model.output_residual = backbone.output_residual
             self.model.norm = backbone.norm
             self.lm_head = model.lm_head
-        self.embedding_multiplier = backbone.embedding_multiplier
         self.rotary_per_layer_type = backbone.rotary_per_layer_type
         self.microbatch: int | None = None  # set by `CachingPipelineStage` around each forward
         self.recorded_router_logits: list[torch.Tensor] | None = None
+        moe = FAMILIES[self.config.family].moe
         for index in layout.stage_layers[stage]:
             if index in layout.router_layers:
-                backbone.layers[index].mlp.gate.register_forward_hook(self.record_router_logits)
+                moe.router_of(backbone.layers[index]).register_forward_hook(self.record_router_logits)
 
     def record_router_logits(self, module: nn.Module, args: tuple, output: tuple) -> None:
         """Forward hook on a router: its logits, while this stage's forward runs (not in a checkpointed layer's
         recomputation during the backward pass)."""
         if self.recorded_router_logits is not None:
-            self.recorded_router_logits.append(output[0])
+            self.recorded_router_logits.append(output[FAMILIES[self.config.family].moe.logits_index])
 
     @property
     def first_mixer(self) -> nn.Module:
@@ -305,9 +309,11 @@ class AttnResStage(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         cached = self.cache is not None
         if self.is_first:
-            inputs_embeds = self.model.embed_tokens(inputs[0])
-            if self.embedding_multiplier is not None:
-                inputs_embeds = inputs_embeds * self.embedding_multiplier
+            embed_tokens = self.model.embed_tokens  # in the model's mode, where a stage is built in training mode
+            position_ids = torch.arange(inputs[0].shape[1], device=inputs[0].device).unsqueeze(0)
+            inputs_embeds = family_embeddings(
+                self.config, embed_tokens(inputs[0]), self.model.embed_positions, position_ids, embed_tokens.training
+            )
             state, context = self.first_mixer.initial_state(inputs_embeds, self.depth_queries(), False)
             started_from = Held()
         else:
@@ -354,9 +360,7 @@ class AttnResStage(nn.Module):
         logits = family_logits(self.config, self.lm_head(hidden_states))
         if not self.layout.router_layers:
             return logits
-        aux_loss = FAMILIES[self.config.family].modeling.load_balancing_loss_func(
-            router_logits, self.config.num_experts, self.config.num_experts_per_tok, None
-        )
+        aux_loss = FAMILIES[self.config.family].load_balancing_loss(self.config, router_logits, None)
         return logits, aux_loss.reshape(1)
 
     def hand_on(self, state: NamedTuple, router_logits: tuple[torch.Tensor, ...], started_from: Held) -> tuple:
@@ -460,7 +464,8 @@ class PipelineLoss:
 
     def __init__(self, config):
         self.vocab_size = config.vocab_size
-        self.router_aux_loss_coef = config.router_aux_loss_coef if FAMILIES[config.family].moe else None
+        moe = FAMILIES[config.family].moe
+        self.router_aux_loss_coef = config.router_aux_loss_coef if moe and moe.load_balancing_loss else None
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         logits, aux_loss = output if isinstance(output, tuple) else (output, None)
