@@ -450,6 +450,12 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("phi4_multimodal", {}, "multimodal model: .* `phi3` text decoder, which converts alone"),
         ("fuyu", {}, "multimodal model: .* `persimmon` text decoder"),
         ("hrm_text", {}, "hierarchical recurrence"),
+        ("inkling2_text", {}, "its own block attention residuals"),
+        ("inkling2_loop_text", {}, "its own block attention residuals"),
+        ("zamba", {}, "Mamba layers with a shared attention block"),
+        ("zamba2", {}, "Mamba layers with a shared attention block"),
+        ("longcat_flash", {}, "a shortcut MoE"),
+        ("minimax", {}, "a normed, scaled residual"),
         ]
         if case[0] in CONFIG_MAPPING  # the model types of this Transformers (MOSS-Transcribe is newer than 5.16)
     ],
