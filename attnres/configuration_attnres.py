@@ -68,6 +68,16 @@ def layers_per_block(num_hidden_layers: int) -> int:
     )
 
 
+class FamilySubConfigs:
+    """`AttnResConfig.sub_configs`: those of the config's family (MPT's `attn_config`), to which Transformers passes
+    the attention and experts implementations on as it sets them; none on the class itself, which serves every
+    family."""
+
+    def __get__(self, instance: PreTrainedConfig | None, owner: type) -> dict[str, type[PreTrainedConfig]]:
+        family = getattr(instance, "family", None)
+        return dict(FAMILIES[family].config_class.sub_configs) if family in FAMILIES else {}
+
+
 class AttnResConfig(PreTrainedConfig):
     r"""
     Configuration for [`AttnResModel`] and [`AttnResForCausalLM`]: a decoder family's own configuration plus the
@@ -131,6 +141,7 @@ class AttnResConfig(PreTrainedConfig):
 
     model_type = "attnres"
     keys_to_ignore_at_inference = [CACHE_NAME]
+    sub_configs = FamilySubConfigs()
 
     # Pipeline stages split only at the embedding and the final norm: the decoder layers pass on the whole depth
     # state, not one `hidden_states` tensor.
@@ -285,6 +296,9 @@ class AttnResConfig(PreTrainedConfig):
             self._fail("word_embed_proj_dim", allowed)
         if getattr(self, "use_parallel_residual", False):  # StableLM's variant: attention and MLP read one input
             self._fail("use_parallel_residual", "False: a parallel residual has no sublayer order to attend over")
+        if getattr(self, "apply_residual_connection_post_layernorm", False):  # BLOOM's variant
+            allowed = "False: a normed residual, norm(h) + f(norm(h)), is not a sum of the sublayers' outputs"
+            self._fail("apply_residual_connection_post_layernorm", allowed)
         if self.residual_mode not in RESIDUAL_MODES + COMPARISON_MODES:
             self._fail("residual_mode", "one of " + " | ".join(repr(m) for m in RESIDUAL_MODES + COMPARISON_MODES))
         if self.depth_kernel not in ("auto", "reference"):

@@ -50,6 +50,14 @@ class Sublayer:
     summed: modules called the same way on the same input whose outputs the family's layer adds to `module`'s, in
         order, as one branch (Granite 4's and Granite MoE Shared's shared MLP beside the MoE). A module the family's
         layer leaves out for the config (Granite 4's MoE without experts) is skipped, as the layer skips it.
+    residual_argument: the keyword by which `module` takes the residual that it adds to its own output itself (MPT's
+        MLP, BLOOM's attention and MLP), or `None`. The model passes a zero, so the module returns its branch alone
+        (`x + 0 == x`) and the stream stays the model's.
+    output_bias: the index, among the attention's outputs, of a bias that the family's layer adds to its first output
+        (GPT-NeoX Japanese's attention returns its output projection's bias apart, `None` but in the last layer), or
+        `None`.
+    dropout: the config field of the probability of the dropout that the family's layer applies to the branch as a
+        function, after `post` (GPT-NeoX Japanese's `hidden_dropout`), or `None`.
     """
 
     module: str
@@ -58,6 +66,9 @@ class Sublayer:
     call: str = ATTENTION
     cache_argument: str | None = None
     summed: tuple[str, ...] = ()
+    residual_argument: str | None = None
+    output_bias: int | None = None
+    dropout: str | None = None
 
 
 PRE_NORM = (
@@ -207,6 +218,8 @@ class ModelParts:
         mask, `cumsum(mask) - 1` and -1 at padding (OPT), instead of counting every token from the cache's length.
     positions_after_mask: the position embedding is called as `positions(attention_mask, position_ids=ids)`, which
         reads the ids where they are given (OPT's learned embedding), instead of `positions(ids)`.
+    embedding_norm: the norm the family's model applies to the embeddings before the first layer (BLOOM's
+        `word_embeddings_layernorm`), or `None`; the AttnRes model holds it as `embedding_norm`.
     """
 
     model: str = "Model"
@@ -215,12 +228,44 @@ class ModelParts:
     norm: str = "ln_f"
     positions_from_mask: bool = False
     positions_after_mask: bool = False
+    embedding_norm: str | None = None
 
     def position_embeddings(self, embed_positions: nn.Module, position_ids: torch.LongTensor) -> torch.Tensor:
         """The vectors `embed_positions` adds at `position_ids`, called as the family's model calls it."""
         if self.positions_after_mask:
             return embed_positions(None, position_ids=position_ids)
         return embed_positions(position_ids)
+
+
+@dataclass(frozen=True)
+class AttentionBias:
+    """A bias on the attention scores that the family's model builds once per forward pass, with the family's own
+    function, and hands to every layer's attention: ALiBi's linear penalty on distance (MPT, BLOOM).
+
+    keyword: the keyword by which the family's attention takes it (MPT's `position_bias`, BLOOM's `alibi`).
+    function: the name of the function in the family's modeling module that builds it.
+    max_positions: the config field of the longest sequence, where the family builds the bias over that many
+        positions once, as `function(num_heads, max_positions, device=device)`, and its attention keeps the last ones
+        it needs (MPT's `max_seq_len`); `None` where the family counts the positions over the padding mask of the past
+        and present tokens, as `function(mask, num_heads, dtype)`, an all-ones mask as long as the cache's keys where
+        none is given (BLOOM).
+    """
+
+    keyword: str
+    function: str
+    max_positions: str | None = None
+
+    def build(self, modeling, config, inputs_embeds: torch.Tensor, attention_mask, cache) -> torch.Tensor:
+        """The bias for a forward pass over `inputs_embeds`, as the family's model builds it."""
+        function = getattr(modeling, self.function)
+        heads = config.num_attention_heads
+        if self.max_positions is not None:
+            return function(heads, getattr(config, self.max_positions), device=inputs_embeds.device)
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2):
+            batch_size, length = inputs_embeds.shape[:2]
+            keys = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
+            attention_mask = torch.ones(batch_size, keys, dtype=torch.long, device=inputs_embeds.device)
+        return function(attention_mask.to(inputs_embeds.device), heads, inputs_embeds.dtype)
 
 
 # The modules of GPT-2's model and of its descendants (GPT-Neo, GPT-BigCode), under `transformer`.
@@ -288,6 +333,10 @@ class Family:
         which the comparison residuals initialise their parameters with too.
     output_vocab: the config field of the size of the family's LM head where it may be pruned below the vocabulary
         (Apertus 1.5 keeps the text-only prefix of the ids; the field's `None` keeps them all), or `None`.
+    attention_bias: the bias on the attention scores that the family's model builds and hands to every layer
+        (`AttentionBias`: MPT's and BLOOM's ALiBi), or `None`.
+    boolean_mask: the family's model hands its attention the causal mask as booleans, true where masked (MPT casts
+        the additive mask to `torch.bool`).
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19).
@@ -320,6 +369,8 @@ class Family:
     checkpoint_renamings: tuple[tuple[str, str], ...] = ()
     initializer_range: str = "initializer_range"
     output_vocab: str | None = None
+    attention_bias: AttentionBias | None = None
+    boolean_mask: bool = False
     since: tuple[int, int] = (5, 16)
 
     # A plain property (the import is a lookup in `sys.modules` after the first): vLLM's server pickles the config's
@@ -481,6 +532,67 @@ XGLM = dict(
     embedding_dropout="dropout",
     parts=ModelParts("Model", "embed_tokens", "embed_positions", "layer_norm"),
     checkpoint_renamings=((r"^model\.layer_norm\.", "model.norm."),),
+)
+# MPT: ALiBi over `max_seq_len` positions that its model builds once, the causal mask handed over as booleans,
+# LayerNorms without bias, an MLP that adds the residual itself; the layers under `transformer.blocks`.
+MPT = dict(
+    sublayers=(
+        Sublayer("attn", "norm_1", ("resid_attn_dropout",)),
+        Sublayer("ffn", "norm_2", call=FEED_FORWARD, residual_argument="residual"),
+    ),
+    norm=LAYER_NORM,
+    norm_eps="layer_norm_epsilon",
+    llama_norm=False,
+    rotary_embedding=None,
+    decoder_layer="Block",
+    parts=ModelParts("Model", "wte", None, "norm_f"),
+    checkpoint_renamings=(
+        (r"^(transformer\.)?wte\.", "model.embed_tokens."),
+        (r"^(transformer\.)?blocks\.", "model.layers."),
+        (r"^(transformer\.)?norm_f\.", "model.norm."),
+    ),
+    attention_bias=AttentionBias("position_bias", "build_mpt_alibi_tensor", max_positions="max_seq_len"),
+    boolean_mask=True,
+)
+# BLOOM: ALiBi counted over the padding mask, a LayerNorm on the embeddings, an attention and an MLP that add the
+# residual themselves; the layers under `transformer.h`.
+BLOOM = dict(
+    sublayers=(
+        Sublayer("self_attention", "input_layernorm", cache_argument="layer_past", residual_argument="residual"),
+        Sublayer("mlp", "post_attention_layernorm", call=FEED_FORWARD, residual_argument="residual"),
+    ),
+    norm=LAYER_NORM,
+    norm_eps="layer_norm_epsilon",
+    llama_norm=False,
+    rotary_embedding=None,
+    decoder_layer="Block",
+    parts=ModelParts("Model", "word_embeddings", None, "ln_f", embedding_norm="word_embeddings_layernorm"),
+    checkpoint_renamings=(
+        (r"^(transformer\.)?word_embeddings_layernorm\.", "model.embedding_norm."),
+        (r"^(transformer\.)?word_embeddings\.", "model.embed_tokens."),
+        (r"^(transformer\.)?h\.", "model.layers."),
+        (r"^(transformer\.)?ln_f\.", "model.norm."),
+    ),
+    attention_bias=AttentionBias("alibi", "build_alibi_tensor"),
+)
+# GPT-NeoX Japanese: a sequential residual, each branch through a dropout (the attention's with its output
+# projection's bias first, in the last layer); the layers under `gpt_neox_japanese.layers`, the head `embed_out`.
+GPT_NEOX_JAPANESE = dict(
+    sublayers=(
+        Sublayer("attention", "input_layernorm", cache_argument="layer_past", output_bias=2, dropout="hidden_dropout"),
+        Sublayer("mlp", "post_attention_layernorm", call=FEED_FORWARD, dropout="hidden_dropout"),
+    ),
+    norm=LAYER_NORM,
+    norm_eps="layer_norm_eps",
+    llama_norm=False,
+    decoder_layer="Layer",
+    parts=ModelParts("Model", "embed_in", None, "final_layer_norm"),
+    checkpoint_renamings=(
+        (r"^(gpt_neox_japanese\.)?embed_in\.", "model.embed_tokens."),
+        (r"^(gpt_neox_japanese\.)?layers\.", "model.layers."),
+        (r"^(gpt_neox_japanese\.)?final_layer_norm\.", "model.norm."),
+        (r"^embed_out\.", "lm_head."),
+    ),
 )
 # DeepSeek-V3, GLM-4.5: a routing bias balances the experts, and their `*ForCausalLM` adds no loss.
 NO_LOAD_BALANCING_LOSS = Moe(load_balancing_loss=False)
@@ -663,6 +775,9 @@ FAMILIES = {
         Family("opt", "opt", "OPT", **OPT),
         Family("biogpt", "biogpt", "BioGpt", **BIOGPT),
         Family("xglm", "xglm", "XGLM", **XGLM),
+        Family("mpt", "mpt", "Mpt", **MPT),
+        Family("bloom", "bloom", "Bloom", **BLOOM),
+        Family("gpt_neox_japanese", "gpt_neox_japanese", "GPTNeoXJapanese", **GPT_NEOX_JAPANESE),
         # The paper's own backbone: KDA layers and NoPE latent-attention layers, a dense first MLP, then MoE with a
         # shared expert, balanced by a routing bias (its `*ForCausalLM` adds no loss).
         Family(

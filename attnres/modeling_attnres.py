@@ -104,6 +104,23 @@ def attention_masks(
     }
 
 
+def family_attention_inputs(
+    config: AttnResConfig,
+    masks: dict[str, torch.Tensor | None],
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """The masks as the family's attention reads them (MPT's as booleans, `Family.boolean_mask`), and the bias on the
+    attention scores that the family's model builds for every layer (ALiBi, `Family.attention_bias`) or `None`."""
+    family = FAMILIES[config.family]
+    if family.boolean_mask:
+        masks = {kind: None if mask is None else mask.to(torch.bool) for kind, mask in masks.items()}
+    if family.attention_bias is None:
+        return masks, None
+    return masks, family.attention_bias.build(family.modeling, config, inputs_embeds, attention_mask, cache)
+
+
 def rotary_embeddings(
     rotary_emb: nn.Module | None,
     per_layer_type: bool,
@@ -147,13 +164,16 @@ def family_embeddings(
     embed_positions: nn.Module | None,
     position_ids: torch.LongTensor,
     training: bool,
+    embedding_norm: nn.Module | None = None,
 ) -> torch.Tensor:
     """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
-    that add them (GPT-2's, OPT's), times Granite's `embedding_multiplier`, times sqrt(hidden_size) under AFMoE's
-    muP, through GPT-2's and StarCoder2's embedding dropout in training."""
+    that add them (GPT-2's, OPT's), through BLOOM's embedding norm, times Granite's `embedding_multiplier`, times
+    sqrt(hidden_size) under AFMoE's muP, through GPT-2's and StarCoder2's embedding dropout in training."""
     family = FAMILIES[config.family]
     if embed_positions is not None:
         inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
+    if embedding_norm is not None:
+        inputs_embeds = embedding_norm(inputs_embeds)
     if family.embedding_multiplier is not None:
         inputs_embeds = inputs_embeds * getattr(config, family.embedding_multiplier)
     if family.mup_embedding_scale is not None and getattr(config, family.mup_embedding_scale):
@@ -212,11 +232,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 if sublayer.pre_norm is not None and type(getattr(self, sublayer.pre_norm)) is family.norm_class:
                     self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm_eps(config)))
         self.residual_multiplier = getattr(config, family.residual_multiplier) if family.residual_multiplier else None
+        self.branch_dropouts = {s.dropout: getattr(config, s.dropout) for s in self.sublayers if s.dropout}
         # How the layer's recurrent mixer, where it has one, takes the cache and which keywords (transformers_compat).
         recurrent = [getattr(self, sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
         self.recurrent_cache_name = recurrent_cache_name(recurrent[0]) if recurrent else None
         self.recurrent_keywords = keywords_taken(recurrent[0].forward) if recurrent else None
         self.attention_type = layer_types(config)[layer_idx]
+        self.attention_bias_keyword = family.attention_bias.keyword if family.attention_bias else None
         self.attn_residual = depth_mixer(config, 2 * layer_idx + 1)
         self.mlp_residual = depth_mixer(config, 2 * layer_idx + 2)
         self.recorded_input = RecordedHiddenState()
@@ -244,6 +266,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
+        attention_bias: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple:
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
@@ -258,6 +281,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             position_ids=position_ids,
             cache=cache,
+            attention_bias=attention_bias,
             kwargs=kwargs,
         )
         for index, (sublayer, mixer) in enumerate(zip(self.sublayers, depth_mixers)):
@@ -284,14 +308,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         position_ids: torch.LongTensor | None,
         cache: Cache | None,
+        attention_bias: torch.Tensor | None,
         kwargs: dict,
     ) -> torch.Tensor:
         """The sublayer's module called as the family's decoder layer calls it (`Sublayer.call`):
-        attention with the position embeddings and its mask, a recurrent mixer with its padding mask, both with the
-        cache; an MLP or MoE on the hidden states alone. With modules summed beside it (`Sublayer.summed`), the sum of
+        attention with the position embeddings or the family's attention bias and its mask, a recurrent mixer with its
+        padding mask, both with the cache; an MLP or MoE on the hidden states alone; a zero residual where the module
+        adds one itself (`Sublayer.residual_argument`). With modules summed beside it (`Sublayer.summed`), the sum of
         their outputs in order, of those the family's layer built."""
         modules = [getattr(self, name, None) for name in (sublayer.module, *sublayer.summed)]
-        inputs = (hidden_states, attention_mask, position_embeddings, position_ids, cache, kwargs)
+        inputs = (hidden_states, attention_mask, position_embeddings, position_ids, cache, attention_bias, kwargs)
         outputs = [self.module_output(sublayer, module, *inputs) for module in modules if module is not None]
         return sum(outputs[1:], outputs[0])
 
@@ -304,11 +330,14 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         position_ids: torch.LongTensor | None,
         cache: Cache | None,
+        attention_bias: torch.Tensor | None,
         kwargs: dict,
     ) -> torch.Tensor:
         """One module of `sublayer` called as the sublayer says (`sublayer_output`)."""
+        # A zero tensor of no dimensions: it broadcasts, and adds nothing.
+        residual = {sublayer.residual_argument: hidden_states.new_zeros(())} if sublayer.residual_argument else {}
         if sublayer.call == FEED_FORWARD:
-            return module(hidden_states)
+            return module(hidden_states, **residual)
         if sublayer.call == RECURRENT:
             if self.recurrent_keywords is not None:
                 kwargs = {name: value for name, value in kwargs.items() if name in self.recurrent_keywords}
@@ -316,24 +345,31 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             return module(hidden_states=hidden_states, attention_mask=attention_mask, **cache_argument, **kwargs)
         if position_embeddings is not None:  # a NoPE family's attention takes none (Kimi Linear)
             kwargs = dict(kwargs, position_embeddings=position_embeddings)
-        output, _ = module(
+        if attention_bias is not None:  # ALiBi (MPT, BLOOM), under the family's keyword
+            kwargs = dict(kwargs, **{self.attention_bias_keyword: attention_bias})
+        outputs = module(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{sublayer.cache_argument or CACHE_NAME: cache},
+            **residual,
             **kwargs,
         )
-        return output
+        bias = outputs[sublayer.output_bias] if sublayer.output_bias is not None else None
+        return outputs[0] if bias is None else outputs[0] + bias
 
     def branch_output(self, sublayer: Sublayer, output: torch.Tensor | tuple, shape: torch.Size) -> torch.Tensor:
         """The sublayer's output v_l as it joins the stream: the module's first output where it returns more (GPT-OSS's
         and Llama 4's MoE return their router scores or logits beside it), through its post-norm or residual dropout
-        (or the rest of OPT's MLP), in the `shape` of the module's input (Llama 4's MoE returns one row per token), and
-        scaled by the family's residual multiplier (Granite)."""
+        (or the rest of OPT's MLP) and the dropout the family's layer applies as a function (GPT-NeoX Japanese), in the
+        `shape` of the module's input (Llama 4's MoE returns one row per token), and scaled by the family's residual
+        multiplier (Granite)."""
         if isinstance(output, tuple):
             output = output[0]
         for name in sublayer.post:
             output = getattr(self, name)(output)
+        if sublayer.dropout is not None:
+            output = nn.functional.dropout(output, self.branch_dropouts[sublayer.dropout], self.training)
         output = output.view(shape)
         return output if self.residual_multiplier is None else output * self.residual_multiplier
 
@@ -463,6 +499,10 @@ class AttnResModel(AttnResPreTrainedModel):
         self.embed_positions = None
         if parts is not None and family.parts.positions is not None:
             self.embed_positions = parts.get_submodule(family.parts.positions)
+        if parts is not None and family.parts.embedding_norm is not None:
+            self.embedding_norm = parts.get_submodule(family.parts.embedding_norm)
+        else:
+            self.embedding_norm = None
         self.layers = nn.ModuleList(
             [AttnResDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
@@ -541,12 +581,15 @@ class AttnResModel(AttnResPreTrainedModel):
 
         if position_ids is None:
             position_ids = family_position_ids(self.config, inputs_embeds, attention_mask, cache)
-        inputs_embeds = family_embeddings(self.config, inputs_embeds, self.embed_positions, position_ids, self.training)
+        inputs_embeds = family_embeddings(
+            self.config, inputs_embeds, self.embed_positions, position_ids, self.training, self.embedding_norm
+        )
 
         masks = attention_mask  # `generate` may have made them, one per attention type
         if not isinstance(masks, dict):
             attention_types = dict.fromkeys(layer.attention_type for layer in self.layers)
             masks = attention_masks(self.config, attention_types, inputs_embeds, attention_mask, cache, position_ids)
+        masks, attention_bias = family_attention_inputs(self.config, masks, inputs_embeds, attention_mask, cache)
         position_embeddings = rotary_embeddings(
             self.rotary_emb, self.rotary_per_layer_type, masks, inputs_embeds, position_ids
         )
@@ -562,6 +605,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 position_embeddings=position_embeddings[decoder_layer.attention_type],
                 position_ids=position_ids,
                 cache=cache,
+                attention_bias=attention_bias,
                 use_cache=use_cache,
                 **kwargs,
             )

@@ -337,6 +337,23 @@ CASES = {
     "biogpt": ("biogpt", dict(scale_embedding=True)),
     # XGLM: OPT's layer, sinusoidal positions offset by 2, the embedding scaled by sqrt(d_model).
     "xglm": ("xglm", dict(ffn_dim=96, scale_embedding=True)),
+    # MPT: ALiBi over `max_seq_len` positions, queries, keys and values clipped, its own softmax scale, an MLP that
+    # adds the residual itself; the cache on, which MPT's config leaves off. (Its attention config types `attn_pdrop`
+    # as an int, so no dropout can be set.)
+    "mpt": ("mpt", dict(max_seq_len=256, use_cache=True, attn_config=dict(clip_qkv=0.5, softmax_scale=0.3))),
+    # BLOOM: ALiBi counted over the padding mask, a LayerNorm on the embeddings, attention and residual dropouts, the
+    # output projections summed over two tensor-parallel slices as it was pretrained (`slow_but_exact`).
+    "bloom": (
+        "bloom",
+        dict(hidden_dropout=0.1, attention_dropout=0.1, pretraining_tp=2, slow_but_exact=True),
+    ),
+    # GPT-NeoX Japanese: attention and residual dropouts, the output projection's bias in the last layer, an MLP twice
+    # as wide as the hidden states. Its rotary embedding spans whole heads: in Transformers 5.16 its own model fails
+    # with a partial one (the embedding ignores `partial_rotary_factor`, which the attention applies).
+    "gpt_neox_japanese": (
+        "gpt_neox_japanese",
+        dict(intermediate_multiple_size=2, hidden_dropout=0.1, attention_dropout=0.1),
+    ),
     # KDA and latent attention; a dense first layer (the default `first_k_dense_replace`), then MoE with a shared
     # expert and grouped top-k routing.
     "kimi_linear": (

@@ -97,7 +97,7 @@ def test_layernorm_families_hold_their_own_layernorms_with_bias(case):
     assert {type(layer.input_layernorm) for layer in model.model.layers} == {nn.LayerNorm}
 
 
-@pytest.mark.parametrize("case", ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2"])
+@pytest.mark.parametrize("case", ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2", "bloom", "gpt_neox_japanese"])
 def test_standard_mode_equals_the_family_in_training_with_its_dropouts(case):
     """The family's dropouts (StarCoder2's and GPT-2's on the embedding and on each branch, StableLM's on the MLP's
     output, Seed-OSS's and Emu3's residual dropouts) are applied where the family applies them, drawing the same random
@@ -325,11 +325,12 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
         assert "DynamicSlidingWindowLayer" in layer_kinds  # Gemma's hybrid cache: windowed layers keep a window
 
 
-# Linear layers that are not projections: the output head (BioGPT's `output_projection`), the routers (HunYuan's
+# Linear layers that are not projections: the output head (BioGPT's `output_projection`, GPT-NeoX Japanese's
+# `embed_out`), the routers (HunYuan's
 # `gate.wg`, Llama 4's `router`), Qwen2-MoE's shared-expert gate and the indexer of DeepSeek-V3.2's sparse attention
 # (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient).
 NOT_PROJECTIONS = {
-    "lm_head", "output_projection", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk", "weights_proj"
+    "lm_head", "output_projection", "embed_out", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk", "weights_proj"
 }
 
 
@@ -439,7 +440,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("mllama_text_model", {}, "gated cross-attention layers"),
         ("moshi", {}, "speech-text model with a depth decoder"),
         ("blt", {}, "byte-level hierarchy"),
-        ("mpt", {}, "attnres/families.py has no row"),
+        ("cpmant", {}, "attnres/families.py has no row"),
         ("gemma3", {}, "multimodal model: .* `gemma3_text` text decoder, which converts alone"),
         ("llama4", {}, "multimodal model: .* `llama4_text` text decoder, which converts alone"),
         ("qwen3_5", {}, "multimodal model: .* `qwen3_5_text` text decoder, which converts alone"),
@@ -450,6 +451,12 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("phi4_multimodal", {}, "multimodal model: .* `phi3` text decoder, which converts alone"),
         ("fuyu", {}, "multimodal model: .* `persimmon` text decoder"),
         ("hrm_text", {}, "hierarchical recurrence"),
+        ("inkling2_text", {}, "its own block attention residuals"),
+        ("inkling2_loop_text", {}, "its own block attention residuals"),
+        ("zamba", {}, "Mamba layers with a shared attention block"),
+        ("zamba2", {}, "Mamba layers with a shared attention block"),
+        ("longcat_flash", {}, "a shortcut MoE"),
+        ("minimax", {}, "a normed, scaled residual"),
         ]
         if case[0] in CONFIG_MAPPING  # the model types of this Transformers (MOSS-Transcribe is newer than 5.16)
     ],

@@ -68,6 +68,16 @@ _HIERARCHICAL_RECURRENCE = (
     "normalised as a whole and added into the other stack's input: the stream is not a plain sum of the sublayers' "
     "outputs"
 )
+_OWN_DEPTH_ATTENTION = (
+    "its own block attention residuals: each layer's attention and MLP read a learned attention over a bank of "
+    "earlier block states (`attention_input(block_states, hidden_states)`), not the residual stream; already a "
+    "depth-attention model, not a residual-sum decoder"
+)
+_SHARED_BLOCK_INTO_MAMBA = (
+    "Mamba layers with a shared attention block: the block (tied across layers, no residual adds of its own) reads "
+    "the stream concatenated with the original embeddings, and its projected output is added to the next Mamba "
+    "layer's input, not to the stream: no decoder of attention and MLP sublayers"
+)
 _ENCODER = (
     "an encoder's layers (BERT-style, bidirectional unless is_decoder=True): an encoder, not a decoder family"
 )
@@ -154,6 +164,26 @@ REFUSED_MODEL_TYPES = {
             "musicgen_melody",
         ),
         _ENCODER_DECODER,
+    ),
+    # `Inkling2SlidingDecoderLayer.forward` and `Inkling2FullDecoderLayer.forward` (and their loop layers') take
+    # `block_states` and compute each sublayer's input as `self.attention_input(block_states, hidden_states)` and
+    # `self.mlp_input(block_states, hidden_states)`; the model ends in `final_input(block_states, hidden_states)`.
+    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _OWN_DEPTH_ATTENTION),
+    # `ZambaHybridLayer.forward` and `Zamba2HybridLayer.forward`: `shared_transf(concatenate([hidden_states,
+    # original_hidden_states]))` then `linear`, passed as `transformer_hidden_states`, which the Mamba layer adds to
+    # its input before its norm, after taking `residual = hidden_states`.
+    **dict.fromkeys(("zamba", "zamba2"), _SHARED_BLOCK_INTO_MAMBA),
+    # `LongcatFlashDecoderLayer.forward`: `shortcut_mlp_output = self.mlp(hidden_states)` beside `mlps[0]`, added in
+    # `residual + hidden_states + shortcut_mlp_output` after `self_attn[1]` and `mlps[1]`.
+    "longcat_flash": (
+        "a shortcut MoE: it reads the first MLP's input and its output joins the stream only after the layer's second "
+        "attention and MLP, which read a stream without it: the stream is not a sum of outputs of sublayers in order"
+    ),
+    # `MiniMaxDecoderLayer.forward`: `hidden_states = self.input_layernorm(hidden_states); residual = hidden_states`,
+    # then `residual * self.attn_alpha_factor + hidden_states * self.attn_beta_factor`, the same around the MoE.
+    "minimax": (
+        "a normed, scaled residual, alpha * norm(h) + beta * f(norm(h)): each sublayer adds to the normed stream "
+        "scaled by alpha, so the stream is not a plain sum of the sublayers' outputs"
     ),
     # `Gemma4TextDecoderLayer.forward` and `Gemma4UnifiedTextDecoderLayer.forward` end with
     # `hidden_states *= self.layer_scalar`, after both residual adds (and Gemma 4's per-layer-input branch).

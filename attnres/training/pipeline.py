@@ -40,6 +40,7 @@ from ..families import FAMILIES
 from ..modeling_attnres import (
     AttnResForCausalLM,
     attention_masks,
+    family_attention_inputs,
     family_embeddings,
     family_logits,
     pre_norm,
@@ -264,6 +265,7 @@ class AttnResStage(nn.Module):
         if self.is_first:
             self.model.embed_tokens = backbone.embed_tokens
             self.model.embed_positions = backbone.embed_positions
+            self.model.embedding_norm = backbone.embedding_norm
         self.model.layers = nn.ModuleDict({str(i): backbone.layers[i] for i in layout.stage_layers[stage]})
         self.model.rotary_emb = backbone.rotary_emb  # buffers only: every stage may hold it
         if self.is_last:
@@ -312,7 +314,12 @@ class AttnResStage(nn.Module):
             embed_tokens = self.model.embed_tokens  # in the model's mode, where a stage is built in training mode
             position_ids = torch.arange(inputs[0].shape[1], device=inputs[0].device).unsqueeze(0)
             inputs_embeds = family_embeddings(
-                self.config, embed_tokens(inputs[0]), self.model.embed_positions, position_ids, embed_tokens.training
+                self.config,
+                embed_tokens(inputs[0]),
+                self.model.embed_positions,
+                position_ids,
+                embed_tokens.training,
+                self.model.embedding_norm,
             )
             state, context = self.first_mixer.initial_state(inputs_embeds, self.depth_queries(), False)
             started_from = Held()
@@ -331,6 +338,7 @@ class AttnResStage(nn.Module):
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         attention_types = dict.fromkeys(layer.attention_type for layer in self.model.layers.values())
         masks = attention_masks(self.config, attention_types, hidden_states, None, None, position_ids)
+        masks, attention_bias = family_attention_inputs(self.config, masks, hidden_states, None, None)
         position_embeddings = rotary_embeddings(
             self.model.rotary_emb, self.rotary_per_layer_type, attention_types, hidden_states, position_ids
         )
@@ -344,6 +352,7 @@ class AttnResStage(nn.Module):
                     position_embeddings=position_embeddings[layer.attention_type],
                     position_ids=position_ids,
                     cache=None,
+                    attention_bias=attention_bias,
                     use_cache=False,
                 )
             router_logits = started_from.router_logits + tuple(self.recorded_router_logits)
