@@ -197,6 +197,15 @@ class AttnResConfig(PreTrainedConfig):
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self._check_fields()
 
+    def __getattr__(self, name: str):
+        """The family config's properties (Bailing's `limit_after_act`, Kolibri 1.1's `kv_sharing_modes`, derived from
+        its fields), computed on this config, which holds the family's fields; read where no attribute has the name."""
+        family = vars(self).get("family")
+        setting = getattr(FAMILIES[family].config_class, name, None) if family in FAMILIES else None
+        if isinstance(setting, property):
+            return setting.fget(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_dict(self) -> dict:
         """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""
         output = super().to_dict()

@@ -58,6 +58,15 @@ class Sublayer:
         `None`.
     dropout: the config field of the probability of the dropout that the family's layer applies to the branch as a
         function, after `post` (GPT-NeoX Japanese's `hidden_dropout`), or `None`.
+    threaded: the keyword by which the attention `module` takes what the previous layer's returned after its output
+        and attention weights, which it returns in turn (GLM-5's `prev_topk_indices`, the keys its `shared` layers
+        reuse from the last layer that ran its indexer; Kolibri 1.1's `index_pool`, the candidate keys of its last
+        indexer), or `None`. The family's model threads it from layer to layer
+        beside the residual stream, which it does not touch; the first layer is given `None`.
+    shared: the keyword and the class (in the family's modeling module) of an object the family's model makes once per
+        forward pass and gives the attention `module` of every layer (Kolibri 1.1's `shared_kv_states`, a
+        `KVSharingDict` where the layers that store their keys and values leave them for those that reuse them), or
+        `None`.
     """
 
     module: str
@@ -69,6 +78,8 @@ class Sublayer:
     residual_argument: str | None = None
     output_bias: int | None = None
     dropout: str | None = None
+    threaded: str | None = None
+    shared: tuple[str, str] | None = None
 
 
 PRE_NORM = (
@@ -144,11 +155,31 @@ GRANITE4_MAMBA = {
     "full_attention": (Sublayer("self_attn", "input_layernorm"), GRANITE_SHARED_MOE),
     "linear_attention": (Sublayer("mamba", "input_layernorm", call=RECURRENT), GRANITE_SHARED_MOE),
 }
-# Kimi Delta Attention between latent-attention layers, both built under `self_attn` (Kimi Linear).
+# A linear attention between attention layers, both built under `self_attn` (Kimi Linear's Kimi Delta Attention between
+# latent-attention layers, Bailing's Lightning-style linear attention between its attention layers).
 KIMI_DELTA_ATTENTION = {
     "full_attention": PRE_NORM,
     "linear_attention": (Sublayer("self_attn", "input_layernorm", call=RECURRENT), PRE_NORM[1]),
 }
+
+class RotaryEmbeddingPerBase(nn.Module):
+    """A family's rotary embedding built once per RoPE base of its layers (Granite MoE SWA's `layer_rope_theta`), each
+    from the config with that base, as the family's model builds them; called with a base where a rotary embedding with
+    bases per attention type is called with a layer type. A base of `0` marks a layer without one."""
+
+    def __init__(self, rotary_embedding: type[nn.Module], config, bases: list[float]):
+        super().__init__()
+        self.layer_types = sorted(set(filter(None, bases)))
+        embeddings = []
+        for base in self.layer_types:
+            base_config = copy.deepcopy(config)
+            base_config.rope_parameters = {**config.rope_parameters, "rope_theta": base}
+            embeddings.append(rotary_embedding(base_config))
+        self.embeddings = nn.ModuleList(embeddings)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.embeddings[self.layer_types.index(base)](x, position_ids)
+
 
 # The `norm` of the families whose norms are torch's `nn.LayerNorm`, with its bias (StableLM, StarCoder2).
 LAYER_NORM = "LayerNorm"
@@ -314,6 +345,13 @@ class Family:
         the scalars the family's model applies to the embedding, to each sublayer's output, and to the logits (divided
         by the value as Granite's, multiplied by it as HyperCLOVA X's, or soft-capped at it), or `None`.
     rotary_per_layer_type: the rotary embedding takes a layer type (Gemma 3, OLMo 3: bases per attention type).
+    rope_theta_per_layer: the config field of each layer's RoPE base, `0` for a layer without rotary embedding
+        (Granite MoE SWA's `layer_rope_theta`), or `None`. The model then builds the family's rotary embedding once per
+        base (`RotaryEmbeddingPerBase`), as the family's model does, and each layer reads the one of its base.
+    rope_layer_types: the layer types whose attention the family's model gives the rotary embedding, the others none
+        (LaRA Mini's windowed layers; its global ones are NoPE), or `None` for every type.
+    optional_rope: the family's model builds its rotary embedding only where the config's `rope_parameters` set a
+        `rope_theta` (OLMo Hybrid's released checkpoints set none, and are NoPE).
     rotary_embedding: the suffix of the family's rotary-embedding class (Qwen3.5's text model has its own), or `None`
         where the family's model has none and its attention reads no position embeddings (GPT-2's learned positions are
         added to the embeddings; Kimi Linear's latent attention is NoPE).
@@ -323,6 +361,8 @@ class Family:
     moe: how the family's sparse MoE layers are found and trained (`Moe`), or `None` for a dense family.
     decoder_layer, causal_lm: the suffixes of the family's decoder-layer and causal-LM classes (GPT-2's `GPT2Block`
         and `GPT2LMHeadModel`).
+    layer_decoder_layers: for hybrids whose model builds a decoder-layer class per layer type, each type's suffix in
+        place of `decoder_layer` (OLMo Hybrid's `AttentionDecoderLayer` and `LinearAttentionDecoderLayer`), or `None`.
     parts: the modules of the family's model around the layers that the AttnRes model takes from it (`ModelParts`),
         where they are not Llama's, or `None`.
     checkpoint_renamings: `(pattern, replacement)` regular expressions that rename the family's checkpoint names to
@@ -337,6 +377,8 @@ class Family:
         (`AttentionBias`: MPT's and BLOOM's ALiBi), or `None`.
     boolean_mask: the family's model hands its attention the causal mask as booleans, true where masked (MPT casts
         the additive mask to `torch.bool`).
+    lm_head_bias: the config field that, when true, gives the family's LM head a bias (Phi-3.5-MoE's
+        `lm_head_bias`), or `None` where it never has one.
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19).
@@ -359,11 +401,15 @@ class Family:
     logits_multiplier: str | None = None
     logit_softcap: str | None = None
     rotary_per_layer_type: bool = False
+    rope_theta_per_layer: str | None = None
+    rope_layer_types: tuple[str, ...] | None = None
+    optional_rope: bool = False
     rotary_embedding: str | None = "RotaryEmbedding"
     rope_switch: str | None = None
     moe: Moe | None = None
     model_prefix: str | None = None
     decoder_layer: str = "DecoderLayer"
+    layer_decoder_layers: dict[str, str] | None = None
     causal_lm: str = "ForCausalLM"
     parts: ModelParts | None = None
     checkpoint_renamings: tuple[tuple[str, str], ...] = ()
@@ -371,6 +417,7 @@ class Family:
     output_vocab: str | None = None
     attention_bias: AttentionBias | None = None
     boolean_mask: bool = False
+    lm_head_bias: str | None = None
     since: tuple[int, int] = (5, 16)
 
     # A plain property (the import is a lookup in `sys.modules` after the first): vLLM's server pickles the config's
@@ -423,10 +470,36 @@ class Family:
 
     def rotary_embedding_of(self, config) -> nn.Module | None:
         """The family's rotary embedding for `config`, or `None` where its model has none (`rotary_embedding`,
-        `rope_switch`)."""
+        `rope_switch`); one per base where the family's layers have bases of their own (`rope_theta_per_layer`)."""
         if self.rotary_embedding is None or self.rope_switch and getattr(config, self.rope_switch) != "rope":
             return None
+        if self.optional_rope and (config.rope_parameters or {}).get("rope_theta") is None:
+            return None
+        if self.rope_theta_per_layer is not None:
+            bases = getattr(config, self.rope_theta_per_layer)
+            return RotaryEmbeddingPerBase(self.cls(self.rotary_embedding), config, bases)
         return self.cls(self.rotary_embedding)(config)
+
+    @property
+    def rotary_per_layer(self) -> bool:
+        """The rotary embedding is called with each layer's key (`rotary_type`): bases per attention type or per
+        layer."""
+        return self.rotary_per_layer_type or self.rope_theta_per_layer is not None
+
+    def rotary_type(self, config, layer_idx: int):
+        """The key of the position embeddings decoder layer `layer_idx` reads: its RoPE base where the family's
+        layers have bases of their own, else its attention type (`layer_types`); `None` where the family's model gives
+        the layer no rotary embedding (a base of `0`, a type outside `rope_layer_types`)."""
+        if self.rope_theta_per_layer is not None:
+            return getattr(config, self.rope_theta_per_layer)[layer_idx] or None
+        kind = layer_types(config)[layer_idx]
+        return kind if self.rope_layer_types is None or kind in self.rope_layer_types else None
+
+    def decoder_layer_of(self, config, layer_idx: int) -> type[nn.Module]:
+        """The family's decoder-layer class that its model builds as layer `layer_idx`."""
+        if self.layer_decoder_layers is None:
+            return self.cls(self.decoder_layer)
+        return self.cls(self.layer_decoder_layers[config.layer_types[layer_idx]])
 
     def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, Sublayer]:
         """The token mixer and the MLP of decoder layer `layer_idx`."""
@@ -713,6 +786,14 @@ FAMILIES = {
         Family("glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLite", moe=NO_LOAD_BALANCING_LOSS),
         Family("axk1", "axk1", "AXK1", moe=NO_LOAD_BALANCING_LOSS),
         Family("deepseek_v32", "deepseek_v32", "DeepseekV32", moe=NO_LOAD_BALANCING_LOSS),
+        # GLM-5: DeepSeek-V3.2's sparse attention, whose `shared` layers reuse the keys the last indexer chose.
+        Family(
+            "glm_moe_dsa",
+            "glm_moe_dsa",
+            "GlmMoeDsa",
+            (Sublayer("self_attn", "input_layernorm", threaded="prev_topk_indices"), PRE_NORM[1]),
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
         # The norms before attention, and before the MoE in MoE layers, gate their output (`AXK2GatedRMSNorm`).
         Family("axk2", "axk2", "AXK2", moe=NO_LOAD_BALANCING_LOSS),
         Family("flex_olmo", "flex_olmo", "FlexOlmo", POST_BRANCH_NORM, llama_norm=False, moe=Moe("num_experts")),
@@ -805,6 +886,97 @@ FAMILIES = {
             layer_sublayers=SANDWICHED_SHORT_CONVOLUTION,
             rotary_per_layer_type=True,
             **LFM2,
+        ),
+        # Windowed and full attention with RoPE bases per type and gated heads (Laguna), q/k norms (Mellum); dense
+        # layers among MoE ones with a shared expert (Laguna).
+        Family("laguna", "laguna", "Laguna", rotary_per_layer_type=True, moe=Moe("num_experts")),
+        Family("mellum", "mellum", "Mellum", rotary_per_layer_type=True, moe=Moe("num_experts")),
+        # Phi-3.5-MoE: LayerNorms, sparsemixer routing, a bias on the LM head.
+        Family(
+            "phimoe",
+            "phimoe",
+            "Phimoe",
+            norm=LAYER_NORM,
+            llama_norm=False,
+            moe=Moe(router="mlp.router"),
+            lm_head_bias="lm_head_bias",
+        ),
+        # Grouped sigmoid routing with a routing bias, and no loss.
+        Family("minicpm5_moe", "minicpm5_moe", "MiniCPM5Moe", moe=NO_LOAD_BALANCING_LOSS),
+        # MiniMax M3's text decoder: Gemma's `1 + w` norms, sparse attention layers whose indexer picks key blocks
+        # from the causal mask, dense layers among MoE ones with a shared expert.
+        Family("minimax_m3_vl_text", "minimax_m3_vl", "MiniMaxM3VL", llama_norm=False, moe=MOE),
+        # Param2 and Sarvam-30B run GLM-4.5's model, Sarvam-105B DeepSeek-V3's, on configs of their own.
+        Family("param2moe", "glm4_moe", "Glm4Moe", moe=NO_LOAD_BALANCING_LOSS),
+        Family("sarvam_moe", "glm4_moe", "Glm4Moe", moe=NO_LOAD_BALANCING_LOSS),
+        Family("sarvam_mla", "deepseek_v3", "DeepseekV3", moe=NO_LOAD_BALANCING_LOSS),
+        # Granite MoE Shared with windowed layers among full ones, attention sinks and a RoPE base per layer (none in
+        # some).
+        Family(
+            "granitemoe_swa",
+            "granitemoe_swa",
+            "GraniteMoeSWA",
+            (PRE_NORM[0], GRANITE_SHARED_MOE),
+            rope_theta_per_layer="layer_rope_theta",
+            moe=Moe(router="block_sparse_moe.router"),
+            **GRANITE_MULTIPLIERS,
+        ),
+        # Linear attention between attention layers, a dense first layer, then grouped sigmoid routing with a routing
+        # bias and a shared expert, and no loss.
+        Family(
+            "bailing_hybrid",
+            "bailing_hybrid",
+            "BailingHybrid",
+            layer_sublayers=KIMI_DELTA_ATTENTION,
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
+        # Gated DeltaNet layers between windowed layers with RoPE and global NoPE ones, each followed by the MoE with a
+        # shared expert.
+        Family(
+            "lara_mini",
+            "lara_mini",
+            "LaraMini",
+            layer_sublayers={**GATED_DELTANET, "sliding_attention": PRE_NORM},
+            llama_norm=False,
+            rope_layer_types=("sliding_attention",),
+            moe=Moe("num_experts"),
+        ),
+        # Gated DeltaNet layers with pre-norms between attention layers with OLMo 2's norms after each branch, each
+        # its own decoder-layer class; RoPE (where the config sets a base) in the attention layers only.
+        Family(
+            "olmo_hybrid",
+            "olmo_hybrid",
+            "OlmoHybrid",
+            layer_sublayers={
+                "full_attention": POST_BRANCH_NORM,
+                "linear_attention": GATED_DELTANET["linear_attention"],
+            },
+            llama_norm=False,
+            rope_layer_types=("full_attention",),
+            optional_rope=True,
+            layer_decoder_layers={
+                "full_attention": "AttentionDecoderLayer",
+                "linear_attention": "LinearAttentionDecoderLayer",
+            },
+        ),
+        # Windowed layers with RoPE and sparse NoPE ones that pick their keys from the candidates of the last indexer
+        # (`index_layers`), some reading the keys and values of an earlier layer; GLM-4's norms after each branch; dense
+        # first layers, then sigmoid routing with a routing bias and a shared expert, and no loss.
+        Family(
+            "kolibri1_1",
+            "kolibri1_1",
+            "Kolibri1_1",
+            (
+                Sublayer(
+                    "self_attn",
+                    "input_layernorm",
+                    ("post_self_attn_layernorm",),
+                    threaded="index_pool",
+                    shared=("shared_kv_states", "KVSharingDict"),
+                ),
+                GLM4_NORMS[1],
+            ),
+            moe=Moe(load_balancing_loss=False),
         ),
         Family(
             "granitemoehybrid",

@@ -9,6 +9,7 @@ everything the network has produced so far. The model's forward loop owns that d
 threads it through the decoder layers. The math is in docs/design.md.
 """
 
+import inspect
 from collections.abc import Iterable
 from functools import partial
 
@@ -95,6 +96,7 @@ def attention_masks(
         # Transformers 5.16, under the name `deepseek_sparse_attention`, its model lets the mask be skipped.
         "indexed_attention": partial(create_causal_mask, allow_is_causal_skip=False),
         "deepseek_sparse_attention": create_causal_mask,
+        "minimax_m3_sparse": create_causal_mask,  # MiniMax M3's sparse attention, whose indexer reads the causal mask
         "conv": create_recurrent_attention_mask,  # LFM2's short convolutions
     }
     # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
@@ -124,22 +126,24 @@ def family_attention_inputs(
 def rotary_embeddings(
     rotary_emb: nn.Module | None,
     per_layer_type: bool,
-    attention_types: Iterable[str],
+    rotary_types: Iterable,
     inputs_embeds: torch.Tensor,
     position_ids: torch.LongTensor,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The rotary position embeddings each of `attention_types` reads: one per type where the family's rotary
-    embedding takes a layer type (`Family.rotary_per_layer_type`; `None` for the types it has no bases for, a
-    hybrid's recurrent layers), otherwise one for all; `None` where the family has no rotary embedding (GPT-2's
-    learned positions, Kimi Linear's NoPE attention)."""
+) -> dict:
+    """The rotary position embeddings each of `rotary_types` (the layers' `Family.rotary_type`: their attention types,
+    or their RoPE bases) reads: one per type where the family's rotary embedding takes one (`Family.rotary_per_layer`;
+    `None` for the types it has no bases for, a hybrid's recurrent layers), otherwise one for all; `None` for the
+    layers the family's model gives none (the type `None`: LaRA Mini's and Granite MoE SWA's NoPE layers), and for all
+    where the family has no rotary embedding (GPT-2's learned positions, Kimi Linear's NoPE attention)."""
     if rotary_emb is None:
-        return dict.fromkeys(attention_types)
+        return dict.fromkeys(rotary_types)
     if per_layer_type:
         return {
             kind: rotary_emb(inputs_embeds, position_ids, kind) if kind in rotary_emb.layer_types else None
-            for kind in attention_types
+            for kind in rotary_types
         }
-    return dict.fromkeys(attention_types, rotary_emb(inputs_embeds, position_ids))
+    shared = rotary_emb(inputs_embeds, position_ids)
+    return {kind: None if kind is None else shared for kind in rotary_types}
 
 
 def family_position_ids(
@@ -223,7 +227,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         family = FAMILIES[config.family]
-        for name, module in family.cls(family.decoder_layer)(config, layer_idx).named_children():
+        for name, module in family.decoder_layer_of(config, layer_idx)(config, layer_idx).named_children():
             self.add_module(name, module)
         self.sublayers = family.sublayers_of(config, layer_idx)
         if family.llama_norm:  # the same function, fused with the depth step in front of it
@@ -237,8 +241,24 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         recurrent = [getattr(self, sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
         self.recurrent_cache_name = recurrent_cache_name(recurrent[0]) if recurrent else None
         self.recurrent_keywords = keywords_taken(recurrent[0].forward) if recurrent else None
+        # The attentions that declare `position_embeddings` are given `None` in a layer without RoPE (Granite MoE SWA's
+        # NoPE layers); a NoPE family's attention that does not declare it (Kimi Linear's) is not given it.
+        self.declares_position_embeddings = {
+            sublayer.module
+            for sublayer in self.sublayers
+            if sublayer.call == ATTENTION
+            and "position_embeddings" in inspect.signature(getattr(self, sublayer.module).forward).parameters
+        }
+        self.layer_idx = layer_idx
+        # The objects the family's model makes once per forward pass for its layers' attention (`Sublayer.shared`).
+        self.shared_per_forward = {
+            sublayer.shared[0]: getattr(family.modeling, sublayer.shared[1])
+            for sublayer in self.sublayers
+            if sublayer.shared is not None
+        }
         self.attention_type = layer_types(config)[layer_idx]
         self.attention_bias_keyword = family.attention_bias.keyword if family.attention_bias else None
+        self.rotary_type = family.rotary_type(config, layer_idx)
         self.attn_residual = depth_mixer(config, 2 * layer_idx + 1)
         self.mlp_residual = depth_mixer(config, 2 * layer_idx + 2)
         self.recorded_input = RecordedHiddenState()
@@ -267,8 +287,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         attention_bias: torch.Tensor | None = None,
+        threaded: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple:
+        r"""
+        threaded (`dict`, *optional*):
+            What the layers' attentions pass on beside the residual stream in one forward pass: what each returned for
+            the next one's (`Sublayer.threaded`), by layer index, so that a layer recomputed under activation
+            checkpointing reads what its predecessor gave it the first time, and the objects they share
+            (`Sublayer.shared`), by keyword.
+        """
         state = depth_state[0] if depth_layout is None else depth_layout.unflatten(depth_state)
         depth_mixers = self.depth_mixers
         if type(state) is DepthState and state.blocks_inv_rms.dtype != torch.float32:
@@ -282,6 +310,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             position_ids=position_ids,
             cache=cache,
             attention_bias=attention_bias,
+            threaded=threaded,
             kwargs=kwargs,
         )
         for index, (sublayer, mixer) in enumerate(zip(self.sublayers, depth_mixers)):
@@ -309,6 +338,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_ids: torch.LongTensor | None,
         cache: Cache | None,
         attention_bias: torch.Tensor | None,
+        threaded: dict | None,
         kwargs: dict,
     ) -> torch.Tensor:
         """The sublayer's module called as the family's decoder layer calls it (`Sublayer.call`):
@@ -317,7 +347,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         adds one itself (`Sublayer.residual_argument`). With modules summed beside it (`Sublayer.summed`), the sum of
         their outputs in order, of those the family's layer built."""
         modules = [getattr(self, name, None) for name in (sublayer.module, *sublayer.summed)]
-        inputs = (hidden_states, attention_mask, position_embeddings, position_ids, cache, attention_bias, kwargs)
+        inputs = (
+            hidden_states, attention_mask, position_embeddings, position_ids, cache, attention_bias, threaded, kwargs
+        )
         outputs = [self.module_output(sublayer, module, *inputs) for module in modules if module is not None]
         return sum(outputs[1:], outputs[0])
 
@@ -331,9 +363,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         position_ids: torch.LongTensor | None,
         cache: Cache | None,
         attention_bias: torch.Tensor | None,
+        threaded: dict | None,
         kwargs: dict,
     ) -> torch.Tensor:
-        """One module of `sublayer` called as the sublayer says (`sublayer_output`)."""
+        """One module of `sublayer` called as the sublayer says (`sublayer_output`), given what the previous layer's
+        threaded to it (`Sublayer.threaded`) and keeping what it threads on."""
         # A zero tensor of no dimensions: it broadcasts, and adds nothing.
         residual = {sublayer.residual_argument: hidden_states.new_zeros(())} if sublayer.residual_argument else {}
         if sublayer.call == FEED_FORWARD:
@@ -343,10 +377,16 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 kwargs = {name: value for name, value in kwargs.items() if name in self.recurrent_keywords}
             cache_argument = {self.recurrent_cache_name: cache}
             return module(hidden_states=hidden_states, attention_mask=attention_mask, **cache_argument, **kwargs)
-        if position_embeddings is not None:  # a NoPE family's attention takes none (Kimi Linear)
+        if position_embeddings is not None or sublayer.module in self.declares_position_embeddings:
             kwargs = dict(kwargs, position_embeddings=position_embeddings)
         if attention_bias is not None:  # ALiBi (MPT, BLOOM), under the family's keyword
             kwargs = dict(kwargs, **{self.attention_bias_keyword: attention_bias})
+        if sublayer.threaded is not None:
+            kwargs = dict(kwargs, **{sublayer.threaded: threaded.get(self.layer_idx - 1)})
+        for keyword, shared in self.shared_per_forward.items():
+            if keyword not in threaded:
+                threaded[keyword] = shared()
+            kwargs = dict(kwargs, **{keyword: threaded[keyword]})
         outputs = module(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
@@ -355,6 +395,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             **residual,
             **kwargs,
         )
+        if sublayer.threaded is not None:
+            threaded[self.layer_idx] = outputs[2]
         bias = outputs[sublayer.output_bias] if sublayer.output_bias is not None else None
         return outputs[0] if bias is None else outputs[0] + bias
 
@@ -514,7 +556,7 @@ class AttnResModel(AttnResPreTrainedModel):
             self.norm = norm(config.hidden_size, eps=norm_eps(config))
         self.recorded_output = RecordedHiddenState()
         self.rotary_emb = family.rotary_embedding_of(config)
-        self.rotary_per_layer_type = family.rotary_per_layer_type
+        self.rotary_per_layer_type = family.rotary_per_layer
         self.gradient_checkpointing = False
         self._keep_depth_queries_in_float32()
         # The family's own modules kept in fp32 on loading (DeepSeek-V3's router weights and routing bias, GPT-OSS's
@@ -590,19 +632,22 @@ class AttnResModel(AttnResPreTrainedModel):
             attention_types = dict.fromkeys(layer.attention_type for layer in self.layers)
             masks = attention_masks(self.config, attention_types, inputs_embeds, attention_mask, cache, position_ids)
         masks, attention_bias = family_attention_inputs(self.config, masks, inputs_embeds, attention_mask, cache)
+        rotary_types = dict.fromkeys(layer.rotary_type for layer in self.layers)
         position_embeddings = rotary_embeddings(
-            self.rotary_emb, self.rotary_per_layer_type, masks, inputs_embeds, position_ids
+            self.rotary_emb, self.rotary_per_layer_type, rotary_types, inputs_embeds, position_ids
         )
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].depth_mixers[0]
         depth_state, depth_context = first_mixer.initial_state(inputs_embeds, self.depth_queries(cache), record_inputs)
+        threaded = {}
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             depth_state = decoder_layer(
                 depth_state,
                 depth_context=depth_context,
+                threaded=threaded,
                 attention_mask=masks[decoder_layer.attention_type],
-                position_embeddings=position_embeddings[decoder_layer.attention_type],
+                position_embeddings=position_embeddings[decoder_layer.rotary_type],
                 position_ids=position_ids,
                 cache=cache,
                 attention_bias=attention_bias,
@@ -682,7 +727,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = AttnResModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=False)
+        bias = self.family.lm_head_bias is not None and getattr(config, self.family.lm_head_bias)
+        self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=bias)
         self.post_init()
         if not self.family.causal_lm_class._tp_plan:
             # The head stays whole where the family's own causal LM has no plan (GPT-2, StableLM): sharding it alone

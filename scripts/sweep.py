@@ -95,7 +95,10 @@ TINY_FIELDS = {
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k"), 2),
-    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "n_group", "topk_group"), 1),
+    **dict.fromkeys(
+        ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "n_group", "num_expert_group", "topk_group"),
+        1,
+    ),
     **dict.fromkeys(("first_k_dense_replace", "first_k_dense"), 1),
     **dict.fromkeys(("state_size", "ssm_state_size", "mamba_d_state", "d_state"), 16),
     **dict.fromkeys(("mamba_n_heads", "mamba_num_heads"), 4),
@@ -127,11 +130,14 @@ OVERRIDES: dict[str, dict] = {
     "kimi_linear": dict(num_key_value_heads=4),  # latent attention expands keys and values to every query head
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # its default has no layer types
     # multi-head latent attention: keys and values have as many heads as queries
-    **dict.fromkeys(("glm4_moe_lite", "deepseek_v32", "axk2", "glm_moe_dsa"), dict(num_key_value_heads=4)),
+    **dict.fromkeys(
+        ("glm4_moe_lite", "deepseek_v32", "axk2", "glm_moe_dsa", "bailing_hybrid"), dict(num_key_value_heads=4)
+    ),
     "deepseek_v2": dict(num_key_value_heads=4, num_experts_per_tok=2),  # its default leaves the top-k unset
     # the same, and its rotary embedding's size is `head_dim`, which its config derives from `qk_rope_head_dim`
     # unless it is given
     **dict.fromkeys(("deepseek_v3", "axk1"), dict(num_key_value_heads=4, head_dim=8)),
+    "sarvam_mla": dict(num_key_value_heads=4),  # DeepSeek-V3's latent attention; its config derives `head_dim`
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),  # its default leaves them unset
     "gemma3n_text": dict(num_kv_shared_layers=3),  # fewer than the tiny layers, so some layers still make a cache
     # its default has no RoPE parameters, which its attention reads per layer type

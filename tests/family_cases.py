@@ -77,6 +77,15 @@ KIMI_DELTA_ATTENTION = dict(
     linear_head_dim=16,
     linear_conv_kernel_dim=3,
 )
+# OLMo Hybrid's Gated DeltaNet layers around an attention layer: two heads of keys, four of values.
+OLMO_HYBRID = dict(
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=3,
+)
 # Gated short convolutions between attention layers (LFM2), with their bias.
 SHORT_CONVOLUTION = dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True)
 
@@ -272,6 +281,8 @@ CASES = {
     "axk1": ("axk1", dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4, mlp_layer_types=["dense", "sparse", "sparse"])),
     # DeepSeek-V3.2's sparse attention: an indexer picks fewer keys than the prompts hold, from the causal mask.
     "deepseek_v32": ("deepseek_v32", DSA),
+    # GLM-5: the same, whose `shared` layers reuse the keys the last indexer chose.
+    "glm_moe_dsa": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "shared"])),
     # The same, with norms that gate their output before attention and before the MoE.
     "axk2": ("axk2", dict(DSA, gated_norm_rank=8)),
     # OLMo 2's norms after each branch, q/k norms over all heads, MoE layers.
@@ -403,6 +414,166 @@ CASES = {
             mamba_d_conv=3,
             mamba_chunk_size=8,
             mamba_proj_bias=True,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),
+    # Windowed and full layers with a different number of query heads each (RoPE bases per type, partial in the full
+    # one), heads gated after attention, q/k norms, a dense first layer, then sigmoid routing with soft-capped logits
+    # and a shared expert.
+    "laguna": (
+        "laguna",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            moe_routed_scaling_factor=2.5,
+            moe_router_logit_softcapping=30.0,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            num_attention_heads_per_layer=[4, 8, 4],
+            head_dim=16,
+        ),
+    ),
+    # Windowed and full layers, q/k norms, a dense first layer.
+    "mellum": (
+        "mellum",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            head_dim=16,
+        ),
+    ),
+    # LayerNorms, every layer windowed, biases on the attention and the LM head.
+    "phimoe": (
+        "phimoe",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, attention_bias=True, lm_head_bias=True),
+    ),
+    # Gated attention, a dense first layer, a shared expert, the top-k within the best of 2 groups.
+    "minicpm5_moe": (
+        "minicpm5_moe",
+        dict(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            n_group=2,
+            topk_group=1,
+            head_dim=16,
+        ),
+    ),
+    # A full layer, then sparse ones whose indexer keeps 2 blocks of 2 keys (and the local one) per query group;
+    # partial RoPE; a dense first layer; clamped SwiGLU experts beside a shared expert.
+    "minimax_m3_vl_text": (
+        "minimax_m3_vl_text",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            dense_intermediate_size=96,
+            shared_intermediate_size=48,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+            rotary_dim=8,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_block_size=2,
+            index_topk_blocks=2,
+            head_dim=16,
+        ),
+    ),
+    # GLM-4.5's model with biases on the queries, keys and values, which their checkpoints fuse (`query_key_value`).
+    "param2moe": ("param2moe", dict(**DEEPSEEK_MOE, head_dim=16, attention_bias=True)),
+    "sarvam_moe": ("sarvam_moe", dict(**DEEPSEEK_MOE, head_dim=16, attention_bias=True)),
+    # DeepSeek-V3's model.
+    "sarvam_mla": ("sarvam_mla", dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4)),
+    # Linear attention between latent-attention layers, a dense first layer, then grouped sigmoid routing and a shared
+    # expert, both clamping their SwiGLU.
+    "bailing_hybrid": (
+        "bailing_hybrid",
+        dict(
+            num_local_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            **MLA,
+            num_key_value_heads=4,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            short_conv_kernel_size=3,
+            expert_swiglu_limit_list=[0, 2.0, 2.0],
+            share_expert_swiglu_limit_list=[0, 2.0, 2.0],
+        ),
+    ),
+    # Gated DeltaNet, a windowed layer with RoPE and a global NoPE one, each followed by the MoE with a shared expert.
+    "lara_mini": (
+        "lara_mini",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            head_dim=16,
+            layer_types=["linear_attention", "sliding_attention", "full_attention"],
+            sliding_window=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=3,
+        ),
+    ),
+    # Gated DeltaNet with pre-norms between attention layers with OLMo 2's norms after each branch and q/k norms over
+    # all heads; RoPE in the attention layers where the config sets a base, NoPE (as released) where it sets none.
+    "olmo_hybrid": ("olmo_hybrid", OLMO_HYBRID),
+    "olmo_hybrid-nope": ("olmo_hybrid", dict(OLMO_HYBRID, rope_parameters=dict(rope_type="default", rope_theta=None))),
+    # A sparse NoPE layer whose indexer picks a pool of candidate keys, a windowed layer with RoPE, and a sparse layer
+    # that picks its keys from that pool and reads the first layer's keys and values; GLM-4's norms; a dense first
+    # layer, then MoE with a routing bias and a shared expert.
+    "kolibri1_1": (
+        "kolibri1_1",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+            mlp_only_intermediate_size=96,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+            index_layers=[0],
+            kv_source_layers=[0, 1, 0],
+            index_topk=4,
+            index_pool_size=8,
+            index_compression=2,
+            index_num_heads=2,
+            index_num_local_tokens=2,
+            index_num_sink_tokens=1,
+        ),
+    ),
+    # A full NoPE layer, then windowed ones with RoPE bases of their own; attention sinks; the MoE and the shared MLP
+    # beside it; Granite's multipliers.
+    "granitemoe_swa": (
+        "granitemoe_swa",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            layer_rope_theta=[0, 10000.0, 500000.0],
             embedding_multiplier=3.0,
             residual_multiplier=0.5,
             attention_multiplier=0.2,

@@ -216,7 +216,7 @@ def test_standard_mode_equals_the_family_bit_for_bit(case):
 # One case of each family.
 FAMILY_CASES = {model_type: case for case, (model_type, _) in reversed(CASES.items())}
 # The configs whose modules the rest of a family's plan names: DeepSeek's `q_proj`, where queries are not low-rank.
-PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2"), dict(q_lora_rank=None))
+PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2", "sarvam_mla"), dict(q_lora_rank=None))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -268,9 +268,9 @@ def test_conversion_verifies_within_1e_4(converted, case, mode):
     assert config["family"] == CASES[case][0] and config["residual_mode"] == mode
 
 
-# The MoE families whose checkpoints Transformers saves one expert at a time (`experts.N.gate_proj`, Mixtral's and
-# MiniMax-M2's `block_sparse_moe.experts.N.w1`), which conversion fuses into the family's stacked experts; the others
-# save them stacked (Granite MoE under its own names, which conversion renames as Transformers does).
+# The MoE families whose checkpoints Transformers saves one expert at a time (`experts.N.gate_proj`; Mixtral's,
+# MiniMax-M2's and Phi-3.5-MoE's `block_sparse_moe.experts.N.w1`), which conversion fuses into the family's stacked
+# experts; the others save them stacked (Granite MoE under its own names, which conversion renames as Transformers does).
 PER_EXPERT_FAMILIES = {
     "mixtral",
     "qwen2_moe",
@@ -296,6 +296,16 @@ PER_EXPERT_FAMILIES = {
     "axk2",
     "kimi_linear",
     "lfm2_moe",
+    "laguna",
+    "mellum",
+    "phimoe",
+    "minicpm5_moe",
+    "param2moe",
+    "sarvam_moe",
+    "sarvam_mla",
+    "bailing_hybrid",
+    "glm_moe_dsa",
+    "kolibri1_1",
 }
 
 

@@ -139,7 +139,7 @@ def skipping(cls: type, prefixes: tuple[str, ...], reason: str) -> type:
 
 # Common tests that the family's own model fails the same way in this Transformers, where its own test class does not
 # run them on it (Llama 4's tests run its multimodal model alone; HunYuan's and LFM2-MoE's declare no fp32 modules, so
-# the test skips there; DeepSeek-V2's replaces the test).
+# the test skips there; DeepSeek-V2's and Phi-3.5-MoE's replace the tests).
 FAMILY_OWN_FAILURES = {
     "llama4_text": {
         "test_model_rope_scaling_frequencies": (
@@ -158,6 +158,17 @@ FAMILY_OWN_FAILURES = {
             "(its own test skips this test: the class lists no fp32 modules)"
         ),
     },
+    # Its own test class replaces the RoPE-scaling tests with LongRoPE ones.
+    "phimoe": dict.fromkeys(
+        (
+            "test_model_rope_scaling_frequencies",
+            "test_model_rope_scaling_from_config_0_linear",
+            "test_model_rope_scaling_from_config_1_dynamic",
+            "test_model_rope_scaling_from_config_2_yarn",
+        ),
+        "Phi-3.5-MoE's rotary embedding reads LongRoPE's `original_max_position_embeddings` and mscales from any "
+        "RoPE type but the default, which the generic scalings do not set",
+    ),
     "lfm2_moe": {
         "test_keep_in_fp32_modules": (
             "LFM2-MoE's routing bias is a buffer built in fp32 whatever the dtype, which its model class does not "
@@ -167,11 +178,12 @@ FAMILY_OWN_FAILURES = {
 }
 
 
-# Class attributes the family's own test class sets. DeepSeek-V3.2's and A.X K2's sparse attention picks its keys with
-# an indexer whose top-k passes no gradient to the indexer's weights.
+# Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's and GLM-5's sparse attention picks its
+# keys with an indexer whose top-k passes no gradient to the indexer's weights.
 FAMILY_TEST_ATTRIBUTES = {
     "deepseek_v32": dict(test_all_params_have_gradient=False),
     "axk2": dict(test_all_params_have_gradient=False),
+    "glm_moe_dsa": dict(test_all_params_have_gradient=False),
 }
 
 
@@ -296,6 +308,8 @@ FAMILY_FIELDS = {
     "flex_olmo": dict(num_experts=4, num_experts_per_tok=2),
     "deepseek_v32": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"], **DSA),
     "axk2": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"], gated_norm_rank=8, **DSA),
+    # GLM-5's second layer reuses the keys its first layer's indexer chose.
+    "glm_moe_dsa": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"], indexer_types=["full", "shared"], **DSA),
     "afmoe": dict(num_experts=4, num_shared_experts=1, num_dense_layers=1, mup_enabled=True, **MOE),
     "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32),
     "qwen3_next": dict(num_experts=4, shared_expert_intermediate_size=32, **GATED_DELTANET, **MOE),
@@ -325,6 +339,90 @@ FAMILY_FIELDS = {
         mamba_d_head=16,
         mamba_d_state=16,
         mamba_chunk_size=4,
+    ),
+    # A windowed layer, then a full one; a dense first layer, then MoE with a shared expert.
+    "laguna": dict(
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        **MOE,
+    ),
+    "mellum": dict(num_experts=4, layer_types=["sliding_attention", "full_attention"], sliding_window=4, **MOE),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "minicpm5_moe": dict(n_routed_experts=4, n_shared_experts=1, mlp_layer_types=["dense", "sparse"], **MOE),
+    # A full layer, then a sparse one whose indexer keeps 2 blocks of 2 keys; a dense first layer; partial RoPE.
+    "minimax_m3_vl_text": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        dense_intermediate_size=40,
+        mlp_layer_types=["dense", "sparse"],
+        layer_types=["full_attention", "minimax_m3_sparse"],
+        rotary_dim=4,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_block_size=2,
+        index_topk_blocks=2,
+    ),
+    **dict.fromkeys(
+        ("param2moe", "sarvam_moe"),
+        dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, **MOE),
+    ),
+    "sarvam_mla": DEEPSEEK_MLA_MOE,
+    # Linear attention, then latent attention; a dense first layer, then MoE with a shared expert.
+    "bailing_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        num_local_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        **MLA,
+        **MOE,
+    ),
+    # Gated DeltaNet, then a windowed layer with RoPE.
+    "lara_mini": dict(
+        GATED_DELTANET,
+        layer_types=["linear_attention", "sliding_attention"],
+        sliding_window=4,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+    ),
+    # Gated DeltaNet, then attention with norms after each branch.
+    "olmo_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    # A sparse layer whose indexer picks a pool of candidate keys, then a windowed one; a dense first layer.
+    "kolibri1_1": dict(
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=[0],
+        mlp_only_intermediate_size=40,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["indexed_attention", "sliding_attention"],
+        index_topk=4,
+        index_pool_size=4,
+        index_compression=2,
+        index_num_heads=2,
+        index_num_local_tokens=1,
+        index_num_sink_tokens=1,
+        **MOE,
+    ),
+    # A full NoPE layer, then a windowed one with RoPE; the MoE with a shared MLP beside it.
+    "granitemoe_swa": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=4,
+        layer_rope_theta=[0, 10000.0],
     ),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}

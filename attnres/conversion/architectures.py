@@ -18,6 +18,13 @@ from transformers.core_model_loading import Concatenate, WeightConverter, Weight
 
 from ..configuration_attnres import AttnResConfig
 from ..families import FAMILIES, Family
+from ..modeling_attnres import AttnResForCausalLM
+
+
+try:
+    from transformers.core_model_loading import Split
+except ImportError:  # Transformers 5.16, whose conversion mappings split no tensor
+    Split = None
 
 
 class ConversionError(ValueError):
@@ -335,6 +342,21 @@ def checkpoint_concatenations(model_type: str) -> list[tuple[list[str], str, int
     ]
 
 
+def checkpoint_splits(model_type: str) -> list[tuple[str, list[str], int]]:
+    """The tensors Transformers splits into several as it loads a checkpoint of the family, from its conversion
+    mapping: each as the pattern of the whole, the patterns of the parts in order and the dimension (Sarvam-30B's and
+    Param2's fused `query_key_value` into `q_proj`, `k_proj` and `v_proj`). Each part is as long as the model's
+    parameter it becomes, as Transformers' `Split` cuts it."""
+    return [
+        (transform.source_patterns[0], list(transform.target_patterns), transform.operations[0].dim)
+        for transform in get_checkpoint_conversion_mapping(model_type) or []
+        if isinstance(transform, WeightConverter)
+        and len(transform.operations) == 1
+        and type(transform.operations[0]) is Split
+        and len(transform.source_patterns) == 1
+    ]
+
+
 class TensorRenamer:
     """Streams source tensors into AttnRes names, shard by shard.
 
@@ -342,7 +364,8 @@ class TensorRenamer:
     checkpoints in the per-expert layout are fused into the stacked `experts.gate_up_proj` / `experts.down_proj`
     tensors that the family's experts module holds (as Transformers' conversion mapping stacks them); a layer's experts
     may span shards, so they wait in a buffer until the layer's last expert tensor arrives. Tensors that the family's
-    mapping concatenates (`checkpoint_concatenations`) wait the same way for their last part.
+    mapping concatenates (`checkpoint_concatenations`) wait the same way for their last part; those it splits
+    (`checkpoint_splits`) are cut at the sizes of the model's parameters.
     """
 
     def __init__(self, config: AttnResConfig):
@@ -354,6 +377,11 @@ class TensorRenamer:
             (re.compile(pattern), replacement) for pattern, replacement in FAMILIES[config.family].checkpoint_renamings
         ]
         self.concatenations = checkpoint_concatenations(config.family)
+        self.splits = checkpoint_splits(config.family)
+        self.shapes: dict[str, torch.Size] = {}
+        if self.splits:
+            with torch.device("meta"):
+                self.shapes = {name: tensor.shape for name, tensor in AttnResForCausalLM(config).state_dict().items()}
         self._pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
         self._parts: dict[str, dict[int, torch.Tensor]] = {}
 
@@ -375,6 +403,14 @@ class TensorRenamer:
                     del self._parts[fused]
                     yield fused, torch.cat([pending[i] for i in range(len(parts))], dim=dim)
                 return
+        for whole, parts, dim in self.splits:
+            if (match := re.search(whole, name)) is None:
+                continue
+            names = [name[: match.start()] + part + name[match.end() :] for part in parts]
+            if any(part not in self.shapes for part in names):
+                break  # not the model's: the size check refuses it
+            yield from zip(names, torch.split(tensor, [self.shapes[part][dim] for part in names], dim=dim))
+            return
         expert = _PER_EXPERT.match(name)
         if expert is None:
             yield name, tensor

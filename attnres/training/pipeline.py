@@ -339,17 +339,20 @@ class AttnResStage(nn.Module):
         attention_types = dict.fromkeys(layer.attention_type for layer in self.model.layers.values())
         masks = attention_masks(self.config, attention_types, hidden_states, None, None, position_ids)
         masks, attention_bias = family_attention_inputs(self.config, masks, hidden_states, None, None)
+        rotary_types = dict.fromkeys(layer.rotary_type for layer in self.model.layers.values())
         position_embeddings = rotary_embeddings(
-            self.model.rotary_emb, self.rotary_per_layer_type, attention_types, hidden_states, position_ids
+            self.model.rotary_emb, self.rotary_per_layer_type, rotary_types, hidden_states, position_ids
         )
         self.recorded_router_logits = []
+        threaded = {}  # within the stage: what a stage's first layer would take from the previous stage is not carried
         try:
             for layer in self.model.layers.values():
                 state = layer(
                     state,
                     depth_context=context,
+                    threaded=threaded,
                     attention_mask=masks[layer.attention_type],
-                    position_embeddings=position_embeddings[layer.attention_type],
+                    position_embeddings=position_embeddings[layer.rotary_type],
                     position_ids=position_ids,
                     cache=None,
                     attention_bias=attention_bias,
