@@ -248,10 +248,14 @@ class Family:
         the prefix of its class names.
     model_prefix: the prefix of its `*PreTrainedModel` and `*ForCausalLM` where it differs from that of its decoder's
         modules (Llama 4's text decoder is `Llama4TextDecoderLayer`, its model `Llama4ForCausalLM`), or `None`.
-    sublayers: the token-mixer sublayer and the MLP sublayer (`Sublayer`) of every decoder layer, in that order.
-    layer_sublayers: for hybrid decoders, each layer's two sublayers by its type (the config's `layer_types`): the
-        token mixer the family's decoder layer builds for that type (attention, a linear attention, a short
-        convolution) and the MLP.
+    sublayers: the sublayers (`Sublayer`) of every decoder layer, in order: the token mixer and the MLP, or the one
+        mixer of a layer that has no separate MLP (Mamba's `residual + mixer(norm(residual))`).
+    layer_sublayers: for hybrid decoders, each layer's sublayers by its type (the config's `layer_types`): the token
+        mixer the family's decoder layer builds for that type (attention, a linear attention, a short convolution) and
+        the MLP, or the one mixer a layer of that type has (Nemotron-H's Mamba 2, attention, MLP or MoE).
+    recorded_attention: the suffix of the family's attention class, where its attention module's name is also that
+        of modules that are no attention (Nemotron-H's `mixer`): its attention weights are recorded by that class
+        (`output_attentions`), as by their module's name in the other families.
     norm, norm_eps: the family's norm, the class `<prefix><norm>` or torch's `nn.LayerNorm` (`LAYER_NORM`), and the
         config field of its eps, or `None` where the family's LayerNorms take torch's default (OPT). The model builds
         its final norm of that class (unless `parts` names the family's own); the depth steps' key norms take the eps
@@ -296,8 +300,9 @@ class Family:
     model_type: str
     module: str
     prefix: str
-    sublayers: tuple[Sublayer, Sublayer] = PRE_NORM
-    layer_sublayers: dict[str, tuple[Sublayer, Sublayer]] | None = None
+    sublayers: tuple[Sublayer, ...] = PRE_NORM
+    layer_sublayers: dict[str, tuple[Sublayer, ...]] | None = None
+    recorded_attention: str | None = None
     norm: str = "RMSNorm"
     norm_eps: str | None = "rms_norm_eps"
     llama_norm: bool = True
@@ -361,6 +366,9 @@ class Family:
         `None` where the family has none (GPT-2, OPT). The depth-mixing modules stay replicated: they read the full
         hidden states that `o_proj` and `down_proj` all-reduce."""
         plan = dict(self.config_class.base_model_tp_plan or {})
+        if self.parts is not None:  # the modules around the layers, under the model's names (Nemotron-H's `embeddings`)
+            names = {self.parts.tokens: "embed_tokens", self.parts.positions: "embed_positions", self.parts.norm: "norm"}
+            plan = {names.get(pattern, pattern): style for pattern, style in plan.items()}
         if self.moe and self.moe.mixtral_experts and not any(".experts" in pattern for pattern in plan):
             prefix = f"layers.*.{self.moe.module}."
             plan.update({prefix + pattern: style for pattern, style in EXPERTS_TP_PLAN.items()})
@@ -377,11 +385,30 @@ class Family:
             return None
         return self.cls(self.rotary_embedding)(config)
 
-    def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, Sublayer]:
-        """The token mixer and the MLP of decoder layer `layer_idx`."""
+    def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, ...]:
+        """The sublayers of decoder layer `layer_idx`, in order: its token mixer and its MLP, or its one mixer."""
         if self.layer_sublayers is None:
             return self.sublayers
         return self.layer_sublayers[config.layer_types[layer_idx]]
+
+    def layer_offsets(self, config) -> tuple[int, ...]:
+        """Where each decoder layer's sublayers sit among the model's L (docs/design.md §1): entry i is the number of
+        sublayers in layers 0 .. i - 1, so layer i holds positions `offsets[i] + 1 .. offsets[i + 1]`, and the last
+        entry is L."""
+        offsets = [0]
+        for layer_idx in range(config.num_hidden_layers):
+            offsets.append(offsets[-1] + len(self.sublayers_of(config, layer_idx)))
+        return tuple(offsets)
+
+    @property
+    def num_sublayers_formula(self) -> str:
+        """L in terms of the config, as messages state it: `2 * num_hidden_layers` where every layer holds a mixer and
+        an MLP, `num_hidden_layers` where every layer holds one mixer."""
+        counts = {len(sublayers) for sublayers in (self.layer_sublayers or {None: self.sublayers}).values()}
+        if len(counts) > 1:
+            return "the sum of the layers' sublayers"
+        count = counts.pop()
+        return "num_hidden_layers" if count == 1 else f"{count} * num_hidden_layers"
 
     def load_balancing_loss(self, config, router_logits: tuple, attention_mask) -> torch.Tensor | None:
         """The family's load-balancing loss over the recorded router logits, as its `*ForCausalLM` computes it, or

@@ -240,9 +240,12 @@ def source_architecture(config: PreTrainedConfig) -> Family:
     return family
 
 
-def block_size_rule(sublayers: int | None = None) -> str:
-    """What a conversion's block size may be; `sublayers` is the source's number, once its config is read."""
-    bound = "2 * num_hidden_layers" + (f" = {sublayers}" if sublayers is not None else "")
+def block_size_rule(family: Family | None = None, sublayers: int | None = None) -> str:
+    """What a conversion's block size may be: at most the source's number of sublayers, in terms of the config as the
+    family counts them (`Family.num_sublayers_formula`; before the config is read, as a layer of a mixer and an MLP
+    counts them), and `sublayers`, the number, once its config is read."""
+    formula = family.num_sublayers_formula if family is not None else "2 * num_hidden_layers"
+    bound = formula + (f" = {sublayers}" if sublayers is not None else "")
     return f"an integer from 1 to {bound}, the source's number of sublayers"
 
 
@@ -256,9 +259,9 @@ def attnres_config(
     """The `AttnResConfig` computing what `source` computes (every field of its family copied verbatim) with the
     chosen residual."""
     family = source_architecture(source)
-    sublayers = 2 * source.num_hidden_layers
+    sublayers = family.layer_offsets(source)[-1]
     if block_size is not None and not 1 <= block_size <= sublayers:
-        raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule(sublayers)}")
+        raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule(family, sublayers)}")
     fields = {name: value for name, value in source.to_dict().items() if name not in _NOT_COPIED}
     return AttnResConfig(
         **fields,
