@@ -6,6 +6,7 @@ import functools
 import math
 
 import transformers
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -231,10 +232,16 @@ class AttnResConfig(PreTrainedConfig):
         return loaded
 
     def validate(self) -> None:
-        """The family config's checks (Transformers' own, or those the family replaces: Nemotron-H's layer types
-        include MLP and MoE layers), then AttnRes's; `save_pretrained` runs it, so a field set to a bad value after
-        `__init__` is never saved."""
-        FAMILIES[self.family].config_class.validate(self)
+        """Transformers' checks, with the family config's own check of its layer types where it replaces Transformers'
+        (Nemotron-H's include MLP and MoE layers), then AttnRes's; `save_pretrained` runs it, so a field set to a bad
+        value after `__init__` is never saved."""
+        for validator in self.__class_validators__:
+            if validator.__name__ == "validate_layer_type":
+                validator = FAMILIES[self.family].config_class.validate_layer_type
+            try:
+                validator(self)
+            except (ValueError, TypeError) as error:  # as Transformers' `validate` reports them
+                raise StrictDataclassClassValidationError(validator=validator.__name__, cause=error) from error
         self._check_fields()
 
     @property
@@ -338,11 +345,11 @@ class AttnResConfig(PreTrainedConfig):
                     self._fail("num_key_value_heads", allowed)
             if getattr(self, "head_dim", None) is None:  # the family's modules take hidden_size / num_attention_heads
                 if self.hidden_size % (2 * heads):
-                    self._fail(
-                        "hidden_size",
+                    allowed = (
                         f"a multiple of 2 * num_attention_heads = {2 * heads} (head_dim = hidden_size / "
-                        "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim",
+                        "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim"
                     )
+                    self._fail("hidden_size", allowed)
             elif not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
                 self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
         if family.moe:

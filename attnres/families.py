@@ -133,6 +133,17 @@ GRANITE4_MAMBA = {
     "full_attention": (Sublayer("self_attn", "input_layernorm"), GRANITE_SHARED_MOE),
     "linear_attention": (Sublayer("mamba", "input_layernorm", call=RECURRENT), GRANITE_SHARED_MOE),
 }
+# Mamba's layers: one mixer behind one residual add, `residual + mixer(norm(residual))`, no MLP (Mamba, Mamba 2, Falcon
+# Mamba; Nemotron-H's Mamba 2 layers).
+MAMBA_MIXER = (Sublayer("mixer", "norm", call=RECURRENT),)
+# Nemotron-H: each layer one mixer under `mixer`, by the config's pattern a Mamba 2, a NoPE attention, an MLP or an MoE
+# with its shared experts inside.
+NEMOTRON_H_MIXERS = {
+    "linear_attention": MAMBA_MIXER,
+    "full_attention": (Sublayer("mixer", "norm"),),
+    "mlp": (Sublayer("mixer", "norm", call=FEED_FORWARD),),
+    "moe": (Sublayer("mixer", "norm", call=FEED_FORWARD),),
+}
 # Kimi Delta Attention between latent-attention layers, both built under `self_attn` (Kimi Linear).
 KIMI_DELTA_ATTENTION = {
     "full_attention": PRE_NORM,
@@ -166,6 +177,9 @@ class Moe:
         DeepSeek-V3, GLM-4.5, HunYuan and Llama 4 return the router logits without one (DeepSeek-V3 and GLM-4.5
         balance their experts with a routing bias).
     mixtral_experts: the experts hold Mixtral's layout (`EXPERTS_TP_PLAN`); GPT-OSS interleaves gate and up.
+    gated_experts: each expert is a gated MLP, its gate and up projections stacked in `experts.gate_up_proj`; without
+        a gate (Nemotron-H's), the experts hold `experts.up_proj` and `experts.down_proj` alone. Checkpoints that
+        store one expert at a time are stacked into them as the family's conversion mapping does.
     """
 
     experts: str = "num_local_experts"
@@ -174,6 +188,7 @@ class Moe:
     logits_index: int = 0
     load_balancing_loss: bool = True
     mixtral_experts: bool = True
+    gated_experts: bool = True
 
     @property
     def module(self) -> str:
@@ -196,9 +211,10 @@ MOE = Moe()
 class ModelParts:
     """The modules of a family's model around its decoder layers, where they are not Llama's (a token embedding, a
     rotary embedding, a final norm of the family's class): GPT-2's learned positions added to the token embeddings,
-    OPT's offset ones, OPT's final LayerNorm without an eps field. The family's own model class, built without
-    decoder layers, builds them, so they are the family's construction; the AttnRes model holds them under its own
-    names (`embed_tokens`, `embed_positions`, `norm`), to which `Family.checkpoint_renamings` renames the family's.
+    OPT's offset ones, OPT's final LayerNorm without an eps field, the Mamba families' embedding without a padding
+    row. The family's own model class, built without decoder layers, builds them, so they are the family's
+    construction; the AttnRes model holds them under its own names (`embed_tokens`, `embed_positions`, `norm`), to
+    which `Family.checkpoint_renamings` renames the family's.
 
     model: the suffix of the family's class that holds them (`GPT2Model`; OPT's `OPTDecoder`).
     tokens, positions, norm: their names in that class: the token embedding (`wte`), the position embedding whose
@@ -367,7 +383,8 @@ class Family:
         hidden states that `o_proj` and `down_proj` all-reduce."""
         plan = dict(self.config_class.base_model_tp_plan or {})
         if self.parts is not None:  # the modules around the layers, under the model's names (Nemotron-H's `embeddings`)
-            names = {self.parts.tokens: "embed_tokens", self.parts.positions: "embed_positions", self.parts.norm: "norm"}
+            parts = self.parts
+            names = {parts.tokens: "embed_tokens", parts.positions: "embed_positions", parts.norm: "norm"}
             plan = {names.get(pattern, pattern): style for pattern, style in plan.items()}
         if self.moe and self.moe.mixtral_experts and not any(".experts" in pattern for pattern in plan):
             prefix = f"layers.*.{self.moe.module}."
@@ -508,6 +525,21 @@ XGLM = dict(
     embedding_dropout="dropout",
     parts=ModelParts("Model", "embed_tokens", "embed_positions", "layer_norm"),
     checkpoint_renamings=((r"^model\.layer_norm\.", "model.norm."),),
+)
+# The Mamba families and Nemotron-H: layers of one mixer (`Block`s) with no rotary embedding, the token embedding and
+# the final norm of the family's model (`embeddings`, `norm_f`, without a padding row), the layers and those under
+# `backbone` (older Mamba checkpoints name the embedding `embedding`) or, in Nemotron-H, `model`.
+MAMBA_PARTS = ModelParts(tokens="embeddings", positions=None, norm="norm_f")
+MAMBA = dict(
+    norm_eps="layer_norm_epsilon",
+    rotary_embedding=None,
+    decoder_layer="Block",
+    parts=MAMBA_PARTS,
+    checkpoint_renamings=(
+        (r"^(backbone\.)?embeddings?\.", "model.embed_tokens."),
+        (r"^(backbone\.)?layers\.", "model.layers."),
+        (r"^(backbone\.)?norm_f\.", "model.norm."),
+    ),
 )
 # DeepSeek-V3, GLM-4.5: a routing bias balances the experts, and their `*ForCausalLM` adds no loss.
 NO_LOAD_BALANCING_LOSS = Moe(load_balancing_loss=False)
@@ -726,6 +758,33 @@ FAMILIES = {
             rope_switch="position_embedding_type",
             moe=Moe(router="block_sparse_moe.router"),
             **GRANITE_MULTIPLIERS,
+        ),
+        # Mamba's and Mamba 2's norms compute Llama's function in code of their own (the test compares the code).
+        Family("mamba", "mamba", "Mamba", MAMBA_MIXER, llama_norm=False, **MAMBA),
+        Family("mamba2", "mamba2", "Mamba2", MAMBA_MIXER, llama_norm=False, **MAMBA),
+        Family("falcon_mamba", "falcon_mamba", "FalconMamba", MAMBA_MIXER, **MAMBA),
+        # Its norms apply the gain in fp32; sigmoid routing with a bias, no loss, the experts an MLP without a gate.
+        Family(
+            "nemotron_h",
+            "nemotron_h",
+            "NemotronH",
+            layer_sublayers=NEMOTRON_H_MIXERS,
+            llama_norm=False,
+            moe=Moe(
+                "n_routed_experts",
+                router="mixer.gate",
+                load_balancing_loss=False,
+                mixtral_experts=False,
+                gated_experts=False,
+            ),
+            recorded_attention="Attention",
+            **{
+                **MAMBA,
+                "checkpoint_renamings": (
+                    (r"^model\.embeddings\.", "model.embed_tokens."),
+                    (r"^model\.norm_f\.", "model.norm."),
+                ),
+            },
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

@@ -321,6 +321,7 @@ class TensorRenamer:
     def __init__(self, config: AttnResConfig):
         moe = FAMILIES[config.family].moe
         self.num_experts = getattr(config, moe.experts) if moe else 0
+        self.expert_parts = ("gate", "up", "down") if moe is None or moe.gated_experts else ("up", "down")
         self.tied = config.tie_word_embeddings
         self.renamings = checkpoint_renamings(config.family)
         self.family_renamings = [
@@ -357,13 +358,15 @@ class TensorRenamer:
             raise ConversionError(f"{name}: expert {index} does not exist (the config has {self.num_experts} experts).")
         pending = self._pending.setdefault(module, {})
         pending[kind, index] = tensor
-        if len(pending) == 3 * self.num_experts:
+        if len(pending) == len(self.expert_parts) * self.num_experts:
             del self._pending[module]
             experts = range(self.num_experts)
-            gate = torch.stack([pending["gate", e] for e in experts])
-            up = torch.stack([pending["up", e] for e in experts])
-            yield f"{module}.experts.gate_up_proj", torch.cat([gate, up], dim=1)
-            yield f"{module}.experts.down_proj", torch.stack([pending["down", e] for e in experts])
+            stacked = {part: torch.stack([pending[part, e] for e in experts]) for part in self.expert_parts}
+            if "gate" in stacked:
+                yield f"{module}.experts.gate_up_proj", torch.cat([stacked["gate"], stacked["up"]], dim=1)
+            else:  # experts without a gate (Nemotron-H's)
+                yield f"{module}.experts.up_proj", stacked["up"]
+            yield f"{module}.experts.down_proj", stacked["down"]
 
     def finish(self) -> None:
         """Fail if some layer's experts, or some concatenated tensor, never completed (a truncated or inconsistent
@@ -373,9 +376,10 @@ class TensorRenamer:
             raise ConversionError(f"{name}: only {len(parts)} of its parts were found in the checkpoint.")
         if self._pending:
             module, tensors = next(iter(self._pending.items()))
+            parts = ", ".join(self.expert_parts[:-1]) + f" and {self.expert_parts[-1]}"
             raise ConversionError(
-                f"{module}: only {len(tensors)} of {3 * self.num_experts} expert tensors (gate, up and down per "
-                "expert) were found in the checkpoint."
+                f"{module}: only {len(tensors)} of {len(self.expert_parts) * self.num_experts} expert tensors ({parts} "
+                "per expert) were found in the checkpoint."
             )
 
 
