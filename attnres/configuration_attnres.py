@@ -2,9 +2,11 @@
 be replaced by softmax attention over depth (Kimi Team, "Attention Residuals", arXiv:2603.15031)."""
 
 import dataclasses
+import functools
 import math
 
 import transformers
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -60,7 +62,7 @@ TARGET_NUM_BLOCKS = 8  # the paper recommends about 8 blocks for Block AttnRes
 
 def layers_per_block(num_hidden_layers: int) -> int:
     """The default block's size in decoder layers: the one whose number of blocks is nearest `TARGET_NUM_BLOCKS`,
-    the larger on a tie (fewer blocks cost less). Whole layers, so that no block splits an attention from its MLP:
+    the larger on a tie (fewer blocks cost less). Whole layers, so that no block splits a layer's mixer from its MLP:
     such a checkpoint would have no FLA or Kimi equivalent."""
     return min(
         range(1, num_hidden_layers + 1),
@@ -103,10 +105,11 @@ class AttnResConfig(PreTrainedConfig):
             `"block"`: Block AttnRes, sublayers are grouped into blocks of `block_size`; a sublayer attends over the
             completed block sums and the running sum of its own block.
         block_size (`int`, *optional*):
-            Block size S in *sublayers* (an attention and an MLP are two sublayers, so a model with
-            `num_hidden_layers` decoder layers has `2 * num_hidden_layers` sublayers). Defaults to blocks of whole
-            decoder layers, as FLA, Kimi's released model and vLLM count them, as many layers per block as brings the
-            number of blocks nearest 8, the paper's recommendation (ties: fewer blocks).
+            Block size S in *sublayers* (`num_sublayers`: an attention and an MLP are two sublayers, so a model whose
+            `num_hidden_layers` decoder layers hold both has `2 * num_hidden_layers` sublayers; a layer with one
+            mixer and no MLP, Mamba's or Nemotron-H's, is one). Defaults to blocks of whole decoder layers, as FLA,
+            Kimi's released model and vLLM count them, as many layers per block as brings the number of blocks
+            nearest 8, the paper's recommendation (ties: fewer blocks).
             `block_size=1` is Full AttnRes. Only used when `residual_mode="block"`.
         exact_retrofit (`bool`, defaults to `False`):
             Divide the eps of each pre-norm (and of the final norm) by k**2, where k is the number of depth sources
@@ -186,10 +189,11 @@ class AttnResConfig(PreTrainedConfig):
         self._check_fields()
         shared = {field.name: getattr(self, field.name) for field in dataclasses.fields(PreTrainedConfig)}
         vars(self).update(vars(family_config(**shared, **kwargs)))
+        vars(self)[_FAMILY_BUILT] = True  # the family's properties read complete fields from here on (`__getattr__`)
         for name, value in _class_settings(family_config).items():
             vars(self).setdefault(name, value)
-        if self.block_size is None:
-            self.block_size = 2 * layers_per_block(self.num_hidden_layers)
+        if self.block_size is None:  # the sublayers of the first n layers
+            self.block_size = self.layer_offsets[layers_per_block(self.num_hidden_layers)]
         # An attribute, not a property: Transformers < 5.20 extends it for tied embeddings. `None` where the family has
         # no plan (GPT-2, StableLM), as its own config says.
         plan = FAMILIES[self.family].tp_plan
@@ -198,18 +202,21 @@ class AttnResConfig(PreTrainedConfig):
         self._check_fields()
 
     def __getattr__(self, name: str):
-        """The family config's properties (Bailing's `limit_after_act`, Kolibri 1.1's `kv_sharing_modes`, derived from
-        its fields), computed on this config, which holds the family's fields; read where no attribute has the name."""
-        family = vars(self).get("family")
-        setting = getattr(FAMILIES[family].config_class, name, None) if family in FAMILIES else None
-        if isinstance(setting, property):
-            return setting.fget(self)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        """The family config's properties (Mamba's `layer_types`, Nemotron-H's `num_hidden_layers`, Bailing's `limit_after_act`, Kolibri 1.1's
+        `kv_sharing_modes`), which its modules
+        and Transformers' caches read, computed from this config's fields as the family's config computes them from
+        its own. Python calls this only for a name that the instance and its class lack."""
+        family = FAMILIES.get(vars(self).get("family"))
+        family_property = _properties(family.config_class).get(name) if family else None
+        if family_property is None or not vars(self).get(_FAMILY_BUILT):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return family_property.fget(self)
 
     def to_dict(self) -> dict:
         """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""
         output = super().to_dict()
         output.pop("attribute_map", None)
+        output.pop(_FAMILY_BUILT, None)
         if getattr(self, "family", None) in FAMILIES:  # the family's class settings, which its config does not save
             for name, value in _class_settings(FAMILIES[self.family].config_class).items():
                 if name in output and output[name] == value:
@@ -237,9 +244,16 @@ class AttnResConfig(PreTrainedConfig):
         return loaded
 
     def validate(self) -> None:
-        """Transformers' checks, then AttnRes's; `save_pretrained` runs it, so a field set to a bad value after
-        `__init__` is never saved."""
-        super().validate()
+        """Transformers' checks, with the family config's own check of its layer types where it replaces Transformers'
+        (Nemotron-H's include MLP and MoE layers), then AttnRes's; `save_pretrained` runs it, so a field set to a bad
+        value after `__init__` is never saved."""
+        for validator in self.__class_validators__:
+            if validator.__name__ == "validate_layer_type":
+                validator = FAMILIES[self.family].config_class.validate_layer_type
+            try:
+                validator(self)
+            except (ValueError, TypeError) as error:  # as Transformers' `validate` reports them
+                raise StrictDataclassClassValidationError(validator=validator.__name__, cause=error) from error
         self._check_fields()
 
     @property
@@ -252,8 +266,15 @@ class AttnResConfig(PreTrainedConfig):
 
     @property
     def num_sublayers(self) -> int:
-        """L: every token mixer (attention, or a hybrid's linear attention) and every MLP is its own sublayer."""
-        return 2 * self.num_hidden_layers
+        """L: every token mixer (attention, or a hybrid's linear attention) and every MLP is its own sublayer, so a
+        layer holds two, or one where it has one mixer and no MLP (Mamba, Nemotron-H) (docs/design.md §1)."""
+        return self.layer_offsets[-1]
+
+    @property
+    def layer_offsets(self) -> tuple[int, ...]:
+        """Entry i is the number of sublayers in decoder layers 0 .. i - 1: layer i holds the sublayers at positions
+        `layer_offsets[i] + 1 .. layer_offsets[i + 1]`, and the last entry is L (`Family.layer_offsets`)."""
+        return FAMILIES[self.family].layer_offsets(self)
 
     @property
     def depth_block_size(self) -> int:
@@ -320,25 +341,32 @@ class AttnResConfig(PreTrainedConfig):
         kinds = getattr(self, "layer_types", None)
         if family.layer_sublayers and kinds is not None and not set(kinds) <= family.layer_sublayers.keys():
             self._fail("layer_types", "a list of " + " | ".join(repr(kind) for kind in family.layer_sublayers))
-        if self.block_size is not None:
+        # L, once the config holds the layers' count and, for a hybrid, their types (Nemotron-H's config derives both).
+        sublayers_known = hasattr(self, "num_hidden_layers") and (
+            family.layer_sublayers is None or getattr(self, "layer_types", None) is not None
+        )
+        if self.block_size is not None and sublayers_known:
             sublayers = self.num_sublayers
-            allowed = f"an integer from 1 to 2 * num_hidden_layers = {sublayers}"
+            allowed = f"an integer from 1 to {family.num_sublayers_formula} = {sublayers}"
             self._check_int_range("block_size", 1, sublayers, allowed)
-        heads = self.num_attention_heads
-        if getattr(self, "num_key_value_heads", None) is not None:  # GPT-2's heads are all query and key heads
-            allowed = f"a positive divisor of num_attention_heads = {heads}"
-            self._check_int_range("num_key_value_heads", 1, heads, allowed)
-            if heads % self.num_key_value_heads:
-                self._fail("num_key_value_heads", allowed)
-        if getattr(self, "head_dim", None) is None:  # the family's modules take hidden_size / num_attention_heads
-            if self.hidden_size % (2 * heads):
-                self._fail(
-                    "hidden_size",
-                    f"a multiple of 2 * num_attention_heads = {2 * heads} (head_dim = hidden_size / "
-                    "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim",
-                )
-        elif not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
-            self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
+        elif self.block_size is not None:
+            self._check_positive_int("block_size")
+        heads = getattr(self, "num_attention_heads", None)
+        if heads is not None:  # the Mamba families have no attention
+            if getattr(self, "num_key_value_heads", None) is not None:  # GPT-2's heads are all query and key heads
+                allowed = f"a positive divisor of num_attention_heads = {heads}"
+                self._check_int_range("num_key_value_heads", 1, heads, allowed)
+                if heads % self.num_key_value_heads:
+                    self._fail("num_key_value_heads", allowed)
+            if getattr(self, "head_dim", None) is None:  # the family's modules take hidden_size / num_attention_heads
+                if self.hidden_size % (2 * heads):
+                    allowed = (
+                        f"a multiple of 2 * num_attention_heads = {2 * heads} (head_dim = hidden_size / "
+                        "num_attention_heads must be even: rotary embeddings rotate pairs of channels), or set head_dim"
+                    )
+                    self._fail("hidden_size", allowed)
+            elif not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
+                self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
         if family.moe:
             experts = family.moe.experts
             self._check_positive_int(experts)
@@ -425,6 +453,20 @@ def _class_settings(config_class: type[PreTrainedConfig]) -> dict:
 
 # Fields every config has, which no family defines differently.
 _SHARED_FIELDS = frozenset(field.name for field in dataclasses.fields(PreTrainedConfig))
+# Set once the family's config has derived its fields, from which its properties are then computed.
+_FAMILY_BUILT = "_family_fields_derived"
+
+
+@functools.cache
+def _properties(config_class: type[PreTrainedConfig]) -> dict[str, property]:
+    """The properties a family's config class defines beside `PreTrainedConfig`'s (Mamba's `layer_types`)."""
+    found = {}
+    for klass in config_class.__mro__:
+        if issubclass(klass, PreTrainedConfig) and klass is not PreTrainedConfig:
+            for name, value in vars(klass).items():
+                if isinstance(value, property):
+                    found.setdefault(name, value)
+    return found
 
 
 def _is_int(value: object) -> bool:

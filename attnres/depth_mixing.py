@@ -279,7 +279,7 @@ def depth_mixer(config, position: int) -> DepthMixer:
     if mode == "standard":
         return StandardResidual()
     if mode == "denseformer":
-        return DepthWeightedAverage(position, config.num_sublayers, config.dwa_dilation, config.dwa_period)
+        return DepthWeightedAverage(position, config.layer_offsets, config.dwa_dilation, config.dwa_period)
     if mode in ("hc", "mhc") and position > config.num_sublayers:
         return StreamAverage()
     eps = norm_eps(config)  # the family's: its RMSNorm's, or its LayerNorm's (StableLM, StarCoder2)

@@ -155,6 +155,17 @@ GRANITE4_MAMBA = {
     "full_attention": (Sublayer("self_attn", "input_layernorm"), GRANITE_SHARED_MOE),
     "linear_attention": (Sublayer("mamba", "input_layernorm", call=RECURRENT), GRANITE_SHARED_MOE),
 }
+# Mamba's layers: one mixer behind one residual add, `residual + mixer(norm(residual))`, no MLP (Mamba, Mamba 2, Falcon
+# Mamba; Nemotron-H's Mamba 2 layers).
+MAMBA_MIXER = (Sublayer("mixer", "norm", call=RECURRENT),)
+# Nemotron-H: each layer one mixer under `mixer`, by the config's pattern a Mamba 2, a NoPE attention, an MLP or an MoE
+# with its shared experts inside.
+NEMOTRON_H_MIXERS = {
+    "linear_attention": MAMBA_MIXER,
+    "full_attention": (Sublayer("mixer", "norm"),),
+    "mlp": (Sublayer("mixer", "norm", call=FEED_FORWARD),),
+    "moe": (Sublayer("mixer", "norm", call=FEED_FORWARD),),
+}
 # A linear attention between attention layers, both built under `self_attn` (Kimi Linear's Kimi Delta Attention between
 # latent-attention layers, Bailing's Lightning-style linear attention between its attention layers).
 KIMI_DELTA_ATTENTION = {
@@ -208,6 +219,9 @@ class Moe:
         DeepSeek-V3, GLM-4.5, HunYuan and Llama 4 return the router logits without one (DeepSeek-V3 and GLM-4.5
         balance their experts with a routing bias).
     mixtral_experts: the experts hold Mixtral's layout (`EXPERTS_TP_PLAN`); GPT-OSS interleaves gate and up.
+    gated_experts: each expert is a gated MLP, its gate and up projections stacked in `experts.gate_up_proj`; without
+        a gate (Nemotron-H's), the experts hold `experts.up_proj` and `experts.down_proj` alone. Checkpoints that
+        store one expert at a time are stacked into them as the family's conversion mapping does.
     """
 
     experts: str = "num_local_experts"
@@ -216,6 +230,7 @@ class Moe:
     logits_index: int = 0
     load_balancing_loss: bool = True
     mixtral_experts: bool = True
+    gated_experts: bool = True
 
     @property
     def module(self) -> str:
@@ -238,9 +253,10 @@ MOE = Moe()
 class ModelParts:
     """The modules of a family's model around its decoder layers, where they are not Llama's (a token embedding, a
     rotary embedding, a final norm of the family's class): GPT-2's learned positions added to the token embeddings,
-    OPT's offset ones, OPT's final LayerNorm without an eps field. The family's own model class, built without
-    decoder layers, builds them, so they are the family's construction; the AttnRes model holds them under its own
-    names (`embed_tokens`, `embed_positions`, `norm`), to which `Family.checkpoint_renamings` renames the family's.
+    OPT's offset ones, OPT's final LayerNorm without an eps field, the Mamba families' embedding without a padding
+    row. The family's own model class, built without decoder layers, builds them, so they are the family's
+    construction; the AttnRes model holds them under its own names (`embed_tokens`, `embed_positions`, `norm`), to
+    which `Family.checkpoint_renamings` renames the family's.
 
     model: the suffix of the family's class that holds them (`GPT2Model`; OPT's `OPTDecoder`).
     tokens, positions, norm: their names in that class: the token embedding (`wte`), the position embedding whose
@@ -324,10 +340,14 @@ class Family:
         the prefix of its class names.
     model_prefix: the prefix of its `*PreTrainedModel` and `*ForCausalLM` where it differs from that of its decoder's
         modules (Llama 4's text decoder is `Llama4TextDecoderLayer`, its model `Llama4ForCausalLM`), or `None`.
-    sublayers: the token-mixer sublayer and the MLP sublayer (`Sublayer`) of every decoder layer, in that order.
-    layer_sublayers: for hybrid decoders, each layer's two sublayers by its type (the config's `layer_types`): the
-        token mixer the family's decoder layer builds for that type (attention, a linear attention, a short
-        convolution) and the MLP.
+    sublayers: the sublayers (`Sublayer`) of every decoder layer, in order: the token mixer and the MLP, or the one
+        mixer of a layer that has no separate MLP (Mamba's `residual + mixer(norm(residual))`).
+    layer_sublayers: for hybrid decoders, each layer's sublayers by its type (the config's `layer_types`): the token
+        mixer the family's decoder layer builds for that type (attention, a linear attention, a short convolution) and
+        the MLP, or the one mixer a layer of that type has (Nemotron-H's Mamba 2, attention, MLP or MoE).
+    recorded_attention: the suffix of the family's attention class, where its attention module's name is also that
+        of modules that are no attention (Nemotron-H's `mixer`): its attention weights are recorded by that class
+        (`output_attentions`), as by their module's name in the other families.
     norm, norm_eps: the family's norm, the class `<prefix><norm>` or torch's `nn.LayerNorm` (`LAYER_NORM`), and the
         config field of its eps, or `None` where the family's LayerNorms take torch's default (OPT). The model builds
         its final norm of that class (unless `parts` names the family's own); the depth steps' key norms take the eps
@@ -387,8 +407,9 @@ class Family:
     model_type: str
     module: str
     prefix: str
-    sublayers: tuple[Sublayer, Sublayer] = PRE_NORM
-    layer_sublayers: dict[str, tuple[Sublayer, Sublayer]] | None = None
+    sublayers: tuple[Sublayer, ...] = PRE_NORM
+    layer_sublayers: dict[str, tuple[Sublayer, ...]] | None = None
+    recorded_attention: str | None = None
     norm: str = "RMSNorm"
     norm_eps: str | None = "rms_norm_eps"
     llama_norm: bool = True
@@ -459,6 +480,10 @@ class Family:
         `None` where the family has none (GPT-2, OPT). The depth-mixing modules stay replicated: they read the full
         hidden states that `o_proj` and `down_proj` all-reduce."""
         plan = dict(self.config_class.base_model_tp_plan or {})
+        if self.parts is not None:  # the modules around the layers, under the model's names (Nemotron-H's `embeddings`)
+            parts = self.parts
+            names = {parts.tokens: "embed_tokens", parts.positions: "embed_positions", parts.norm: "norm"}
+            plan = {names.get(pattern, pattern): style for pattern, style in plan.items()}
         if self.moe and self.moe.mixtral_experts and not any(".experts" in pattern for pattern in plan):
             prefix = f"layers.*.{self.moe.module}."
             plan.update({prefix + pattern: style for pattern, style in EXPERTS_TP_PLAN.items()})
@@ -501,11 +526,30 @@ class Family:
             return self.cls(self.decoder_layer)
         return self.cls(self.layer_decoder_layers[config.layer_types[layer_idx]])
 
-    def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, Sublayer]:
-        """The token mixer and the MLP of decoder layer `layer_idx`."""
+    def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, ...]:
+        """The sublayers of decoder layer `layer_idx`, in order: its token mixer and its MLP, or its one mixer."""
         if self.layer_sublayers is None:
             return self.sublayers
         return self.layer_sublayers[config.layer_types[layer_idx]]
+
+    def layer_offsets(self, config) -> tuple[int, ...]:
+        """Where each decoder layer's sublayers sit among the model's L (docs/design.md §1): entry i is the number of
+        sublayers in layers 0 .. i - 1, so layer i holds positions `offsets[i] + 1 .. offsets[i + 1]`, and the last
+        entry is L."""
+        offsets = [0]
+        for layer_idx in range(config.num_hidden_layers):
+            offsets.append(offsets[-1] + len(self.sublayers_of(config, layer_idx)))
+        return tuple(offsets)
+
+    @property
+    def num_sublayers_formula(self) -> str:
+        """L in terms of the config, as messages state it: `2 * num_hidden_layers` where every layer holds a mixer and
+        an MLP, `num_hidden_layers` where every layer holds one mixer."""
+        counts = {len(sublayers) for sublayers in (self.layer_sublayers or {None: self.sublayers}).values()}
+        if len(counts) > 1:
+            return "the sum of the layers' sublayers"
+        count = counts.pop()
+        return "num_hidden_layers" if count == 1 else f"{count} * num_hidden_layers"
 
     def load_balancing_loss(self, config, router_logits: tuple, attention_mask) -> torch.Tensor | None:
         """The family's load-balancing loss over the recorded router logits, as its `*ForCausalLM` computes it, or
@@ -665,6 +709,21 @@ GPT_NEOX_JAPANESE = dict(
         (r"^(gpt_neox_japanese\.)?layers\.", "model.layers."),
         (r"^(gpt_neox_japanese\.)?final_layer_norm\.", "model.norm."),
         (r"^embed_out\.", "lm_head."),
+    ),
+)
+# The Mamba families and Nemotron-H: layers of one mixer (`Block`s) with no rotary embedding, the token embedding and
+# the final norm of the family's model (`embeddings`, `norm_f`, without a padding row), the layers and those under
+# `backbone` (older Mamba checkpoints name the embedding `embedding`) or, in Nemotron-H, `model`.
+MAMBA_PARTS = ModelParts(tokens="embeddings", positions=None, norm="norm_f")
+MAMBA = dict(
+    norm_eps="layer_norm_epsilon",
+    rotary_embedding=None,
+    decoder_layer="Block",
+    parts=MAMBA_PARTS,
+    checkpoint_renamings=(
+        (r"^(backbone\.)?embeddings?\.", "model.embed_tokens."),
+        (r"^(backbone\.)?layers\.", "model.layers."),
+        (r"^(backbone\.)?norm_f\.", "model.norm."),
     ),
 )
 # DeepSeek-V3, GLM-4.5: a routing bias balances the experts, and their `*ForCausalLM` adds no loss.
@@ -986,6 +1045,33 @@ FAMILIES = {
             rope_switch="position_embedding_type",
             moe=Moe(router="block_sparse_moe.router"),
             **GRANITE_MULTIPLIERS,
+        ),
+        # Mamba's and Mamba 2's norms compute Llama's function in code of their own (the test compares the code).
+        Family("mamba", "mamba", "Mamba", MAMBA_MIXER, llama_norm=False, **MAMBA),
+        Family("mamba2", "mamba2", "Mamba2", MAMBA_MIXER, llama_norm=False, **MAMBA),
+        Family("falcon_mamba", "falcon_mamba", "FalconMamba", MAMBA_MIXER, **MAMBA),
+        # Its norms apply the gain in fp32; sigmoid routing with a bias, no loss, the experts an MLP without a gate.
+        Family(
+            "nemotron_h",
+            "nemotron_h",
+            "NemotronH",
+            layer_sublayers=NEMOTRON_H_MIXERS,
+            llama_norm=False,
+            moe=Moe(
+                "n_routed_experts",
+                router="mixer.gate",
+                load_balancing_loss=False,
+                mixtral_experts=False,
+                gated_experts=False,
+            ),
+            recorded_attention="Attention",
+            **{
+                **MAMBA,
+                "checkpoint_renamings": (
+                    (r"^model\.embeddings\.", "model.embed_tokens."),
+                    (r"^model\.norm_f\.", "model.norm."),
+                ),
+            },
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

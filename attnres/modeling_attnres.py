@@ -77,6 +77,10 @@ def pre_norm(norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput)
     return hidden_states if norm is None else norm(hidden_states)
 
 
+def no_mask(*args, **kwargs) -> None:
+    return None
+
+
 def attention_masks(
     config: AttnResConfig,
     attention_types: Iterable[str],
@@ -98,6 +102,9 @@ def attention_masks(
         "deepseek_sparse_attention": create_causal_mask,
         "minimax_m3_sparse": create_causal_mask,  # MiniMax M3's sparse attention, whose indexer reads the causal mask
         "conv": create_recurrent_attention_mask,  # LFM2's short convolutions
+        # Nemotron-H's layers of an MLP or an MoE alone, which read no mask.
+        "mlp": no_mask,
+        "moe": no_mask,
     }
     # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
     return {
@@ -212,8 +219,9 @@ class RecordedHiddenState(nn.Module):
 
 
 class AttnResDecoderLayer(GradientCheckpointingLayer):
-    """The family's two sublayers of one decoder layer, its token mixer (attention, or a hybrid's linear attention)
-    and its MLP or MoE, each behind its own depth-mixing module (`attn_residual`, `mlp_residual`).
+    """The family's sublayers of one decoder layer, each behind its own depth-mixing module: its token mixer
+    (attention, or a hybrid's linear attention) behind `attn_residual` and its MLP or MoE behind `mlp_residual`, or,
+    in a layer of one mixer and no MLP (Mamba, Nemotron-H), that mixer behind `attn_residual` alone.
 
     The family's own decoder-layer class builds the modules, which this layer holds under the family's names; the
     family's row (`families.Family`) says which sublayers the layer has (for hybrids, by the layer's type), which
@@ -259,14 +267,18 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.attention_type = layer_types(config)[layer_idx]
         self.attention_bias_keyword = family.attention_bias.keyword if family.attention_bias else None
         self.rotary_type = family.rotary_type(config, layer_idx)
-        self.attn_residual = depth_mixer(config, 2 * layer_idx + 1)
-        self.mlp_residual = depth_mixer(config, 2 * layer_idx + 2)
+        first = config.layer_offsets[layer_idx] + 1  # the position of the layer's first sublayer (docs/design.md §1)
+        self.attn_residual = depth_mixer(config, first)
+        if len(self.sublayers) == 2:
+            self.mlp_residual = depth_mixer(config, first + 1)
         self.recorded_input = RecordedHiddenState()
 
     @property
-    def depth_mixers(self) -> tuple[nn.Module, nn.Module]:
+    def depth_mixers(self) -> tuple[nn.Module, ...]:
         """The depth-mixing modules in front of the layer's sublayers, in order; each looked up once (a submodule
         lookup is `nn.Module.__getattr__`, a Python call per read)."""
+        if len(self.sublayers) == 1:
+            return (self.attn_residual,)
         return self.attn_residual, self.mlp_residual
 
     def __call__(self, depth_state: tuple, **kwargs) -> tuple:
@@ -438,7 +450,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
     # `hidden_states[i]` is the input the i-th decoder layer's attention sublayer reads (the depth-mixed input under
     # AttnRes, the residual stream in standard mode, where this equals the family's), and the last entry is the output
     # after the final norm, each computed by a `RecordedHiddenState`. Attentions and router logits are recorded by
-    # module name, where the families' classes differ: `self_attn`, and each MoE family's router (`families.Moe`). One
+    # module name, where the families' classes differ: `self_attn`, and each MoE family's router (`families.Moe`);
+    # by class where the name is that of other modules too (`Family.recorded_attention`). One
     # list for every family, since Transformers < 5.25 keeps one record per model class; a model holds the modules
     # of its own family only.
     _can_record_outputs = {
@@ -451,10 +464,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
             for attention in dict.fromkeys(
                 sublayer.module
                 for family in FAMILIES.values()
+                if family.recorded_attention is None
                 for sublayers in (family.layer_sublayers or {None: family.sublayers}).values()
                 for sublayer in sublayers
                 if sublayer.call == ATTENTION
             )
+        ]
+        + [
+            OutputRecorder(family.cls(family.recorded_attention), index=1)
+            for family in FAMILIES.values()
+            if family.recorded_attention is not None
         ],
         "router_logits": [
             OutputRecorder(None, index=index, class_name=router)

@@ -5,8 +5,8 @@ module sits in front of, and `absorb(output, state, context)` folds that sublaye
 none of them reads the context. The states:
 
 - DenseFormer (Pagliardini et al., arXiv:2402.02622): `DenseFormerState`. A depth-weighted average acts per decoder
-  *block*, not per sublayer, so the module behind a block's MLP, which closes the block, records the block output and
-  replaces the stream by the average.
+  *block*, not per sublayer, so the module behind a block's last sublayer (its MLP, or the one mixer of a Mamba
+  block), which closes the block, records the block output and replaces the stream by the average.
 - Hyper-Connections (Zhu et al., arXiv:2409.19606) and mHC (Xie et al., arXiv:2512.24880): `HyperStreams`; the
   embedding starts in every stream.
 
@@ -67,15 +67,16 @@ class DepthWeightedAverage(DepthMixer):
     exactly the PreNorm baseline.
     """
 
-    def __init__(self, position: int, num_sublayers: int, dilation: int, period: int):
+    def __init__(self, position: int, layer_offsets: tuple[int, ...], dilation: int, period: int):
         super().__init__()
         self.position = position
-        self.block = position // 2
+        # The last sublayer of decoder block i (its MLP, or its one mixer) sits at `layer_offsets[i]`: the module behind
+        # it sees the whole block output.
+        self.closes_block = position in layer_offsets[1:]
+        self.block = layer_offsets.index(position) if self.closes_block else None
         self.dilation = dilation
-        # The MLP of decoder block i is sublayer 2i: the module behind it (the only one with an even position up to
-        # L) sees the whole block output.
-        self.closes_block = position % 2 == 0 and position <= num_sublayers
-        has_average = self.closes_block and (self.block % period == 0 or position == num_sublayers)
+        num_blocks = len(layer_offsets) - 1
+        has_average = self.closes_block and (self.block % period == 0 or self.block == num_blocks)
         # x_j for j = i, i - k, ... >= 0: i // k + 1 sources, oldest first.
         self.dwa_weights = nn.Parameter(torch.zeros(self.block // dilation + 1)) if has_average else None
 

@@ -120,7 +120,8 @@ UNSET_FILLED = ("head_dim", "num_key_value_heads")
 
 # Per-type fields the generic shrinking cannot derive.
 OVERRIDES: dict[str, dict] = {
-    "mamba2": dict(head_dim=32),  # hidden_size * expand = num_heads * head_dim
+    "mamba2": dict(head_dim=32, n_groups=2),  # hidden_size * expand = num_heads * head_dim; groups divide the heads
+    "nemotron_h": dict(n_groups=2),  # the groups divide the Mamba heads
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32]),  # causal only as a decoder; dims sum to hidden
     "kolibri1_1": dict(index_num_heads=2),  # at most the query heads per key head
     # shared attention blocks in layers 1, 3 and 5 (one alone breaks its tied-weight pattern); the pattern rederived

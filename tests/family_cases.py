@@ -89,6 +89,11 @@ OLMO_HYBRID = dict(
 # Gated short convolutions between attention layers (LFM2), with their bias.
 SHORT_CONVOLUTION = dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True)
 
+# Mamba's layers of one mixer and no MLP (Mamba, Falcon Mamba): a selective scan after a short convolution, with biases.
+MAMBA = dict(state_size=8, conv_kernel=3, time_step_rank=8, use_bias=True)
+# Mamba 2's scan: 4 heads of 32 channels (expand * hidden_size), 2 groups, chunks shorter than the test prompts.
+MAMBA2 = dict(num_heads=4, head_dim=32, n_groups=2, state_size=16, conv_kernel=3, chunk_size=4, use_bias=True)
+
 # case name -> (model_type, config fields beside COMMON)
 CASES = {
     "llama": ("llama", dict(attention_bias=True)),
@@ -578,6 +583,34 @@ CASES = {
             residual_multiplier=0.5,
             attention_multiplier=0.2,
             logits_scaling=4.0,
+        ),
+    ),
+    "mamba": ("mamba", MAMBA),
+    "mamba2": ("mamba2", MAMBA2),
+    "falcon_mamba": ("falcon_mamba", MAMBA),
+    # Each layer type once: Mamba 2, an MoE (sigmoid routing within groups, a latent projection around the experts, a
+    # shared expert), a NoPE attention and a plain MLP.
+    "nemotron_h": (
+        "nemotron_h",
+        dict(
+            num_hidden_layers=4,
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            conv_kernel=3,
+            chunk_size=4,
+            use_bias=True,
+            mlp_bias=True,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            moe_latent_size=32,
         ),
     ),
 }

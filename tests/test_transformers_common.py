@@ -179,11 +179,12 @@ FAMILY_OWN_FAILURES = {
 
 
 # Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's and GLM-5's sparse attention picks its
-# keys with an indexer whose top-k passes no gradient to the indexer's weights.
+# keys with an indexer whose top-k passes no gradient to the indexer's weights; the Mamba families have no attention.
 FAMILY_TEST_ATTRIBUTES = {
     "deepseek_v32": dict(test_all_params_have_gradient=False),
     "axk2": dict(test_all_params_have_gradient=False),
     "glm_moe_dsa": dict(test_all_params_have_gradient=False),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), dict(has_attentions=False)),
 }
 
 
@@ -424,12 +425,28 @@ FAMILY_FIELDS = {
         sliding_window=4,
         layer_rope_theta=[0, 10000.0],
     ),
+    # Mamba 2's heads fill hidden_size * expand, in groups that divide them.
+    "mamba2": dict(num_heads=4, head_dim=16, n_groups=2, chunk_size=4),
+    # Each layer type once: Mamba 2, an MoE, attention, an MLP (Nemotron-H).
+    "nemotron_h": dict(
+        num_hidden_layers=4,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=4,
+        n_routed_experts=4,
+        moe_shared_expert_intermediate_size=32,
+        **MOE,
+    ),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's Mamba heads divide 2 * hidden_size,
 # and their size is the rest.
 CONFIG_TESTER_FIELDS = {
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=20),
+    "mamba2": dict(num_heads=4, head_dim=20, n_groups=2),
     # Experts and top-k that dots1's and DeepSeek-V2's defaults leave unset, which AttnResConfig requires.
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),
     "deepseek_v2": dict(num_experts_per_tok=2),

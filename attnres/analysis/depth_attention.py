@@ -38,16 +38,25 @@ class DepthAttentionTable:
 def tabulate_depth_attention(
     weights: Mapping[str, Sequence[float] | torch.Tensor], block_size: int, num_sublayers: int
 ) -> DepthAttentionTable:
-    """Each mixing step's mean weights (module name -> one weight per source, in the model's order) on the grid.
+    """Each mixing step's mean weights (module name -> one weight per source, in the model's order) on the grid, for
+    every step of a model with `num_sublayers` sublayers (`AttnResModel.depth_attention_weights`). The steps' positions
+    are their order: by layer, the mixer's (`attn_residual`) before the MLP's, so that a layer of one mixer and no
+    MLP (Mamba's) holds one position.
 
     The partial-sum column is left out where no step reads one (Full AttnRes, where every block is one sublayer).
     """
     num_blocks = math.ceil(num_sublayers / block_size)
     values = torch.full((num_sublayers + 1, num_blocks + 2), math.nan)
     steps = [""] * (num_sublayers + 1)
+    named = {name: _MIXING_STEP.search(name).groups() for name in weights}
+    in_order = sorted(
+        (name for name, (_, kind) in named.items() if kind != "output"),
+        key=lambda name: (int(named[name][0]), named[name][1] == "mlp"),
+    )
+    positions = {name: position for position, name in enumerate(in_order, start=1)}
     for name, step_weights in weights.items():
-        layer, kind = _MIXING_STEP.search(name).groups()
-        position = num_sublayers + 1 if kind == "output" else 2 * int(layer) + (1 if kind == "attn" else 2)
+        layer, kind = named[name]
+        position = num_sublayers + 1 if kind == "output" else positions[name]
         completed = num_blocks + 1 if kind == "output" else (position - 1) // block_size + 1  # b0 and the blocks
         step_values = torch.as_tensor(step_weights, dtype=torch.float32)
         values[position - 1, :completed] = step_values[:completed]

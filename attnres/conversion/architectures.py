@@ -277,9 +277,12 @@ def source_architecture(config: PreTrainedConfig) -> Family:
     return family
 
 
-def block_size_rule(sublayers: int | None = None) -> str:
-    """What a conversion's block size may be; `sublayers` is the source's number, once its config is read."""
-    bound = "2 * num_hidden_layers" + (f" = {sublayers}" if sublayers is not None else "")
+def block_size_rule(family: Family | None = None, sublayers: int | None = None) -> str:
+    """What a conversion's block size may be: at most the source's number of sublayers, in terms of the config as the
+    family counts them (`Family.num_sublayers_formula`; before the config is read, as a layer of a mixer and an MLP
+    counts them), and `sublayers`, the number, once its config is read."""
+    formula = family.num_sublayers_formula if family is not None else "2 * num_hidden_layers"
+    bound = formula + (f" = {sublayers}" if sublayers is not None else "")
     return f"an integer from 1 to {bound}, the source's number of sublayers"
 
 
@@ -293,9 +296,9 @@ def attnres_config(
     """The `AttnResConfig` computing what `source` computes (every field of its family copied verbatim) with the
     chosen residual."""
     family = source_architecture(source)
-    sublayers = 2 * source.num_hidden_layers
+    sublayers = family.layer_offsets(source)[-1]
     if block_size is not None and not 1 <= block_size <= sublayers:
-        raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule(sublayers)}")
+        raise ConversionError(f"block_size={block_size!r}: must be {block_size_rule(family, sublayers)}")
     fields = {name: value for name, value in source.to_dict().items() if name not in _NOT_COPIED}
     return AttnResConfig(
         **fields,
@@ -371,6 +374,7 @@ class TensorRenamer:
     def __init__(self, config: AttnResConfig):
         moe = FAMILIES[config.family].moe
         self.num_experts = getattr(config, moe.experts) if moe else 0
+        self.expert_parts = ("gate", "up", "down") if moe is None or moe.gated_experts else ("up", "down")
         self.tied = config.tie_word_embeddings
         self.renamings = checkpoint_renamings(config.family)
         self.family_renamings = [
@@ -420,13 +424,15 @@ class TensorRenamer:
             raise ConversionError(f"{name}: expert {index} does not exist (the config has {self.num_experts} experts).")
         pending = self._pending.setdefault(module, {})
         pending[kind, index] = tensor
-        if len(pending) == 3 * self.num_experts:
+        if len(pending) == len(self.expert_parts) * self.num_experts:
             del self._pending[module]
             experts = range(self.num_experts)
-            gate = torch.stack([pending["gate", e] for e in experts])
-            up = torch.stack([pending["up", e] for e in experts])
-            yield f"{module}.experts.gate_up_proj", torch.cat([gate, up], dim=1)
-            yield f"{module}.experts.down_proj", torch.stack([pending["down", e] for e in experts])
+            stacked = {part: torch.stack([pending[part, e] for e in experts]) for part in self.expert_parts}
+            if "gate" in stacked:
+                yield f"{module}.experts.gate_up_proj", torch.cat([stacked["gate"], stacked["up"]], dim=1)
+            else:  # experts without a gate (Nemotron-H's)
+                yield f"{module}.experts.up_proj", stacked["up"]
+            yield f"{module}.experts.down_proj", stacked["down"]
 
     def finish(self) -> None:
         """Fail if some layer's experts, or some concatenated tensor, never completed (a truncated or inconsistent
@@ -436,9 +442,10 @@ class TensorRenamer:
             raise ConversionError(f"{name}: only {len(parts)} of its parts were found in the checkpoint.")
         if self._pending:
             module, tensors = next(iter(self._pending.items()))
+            parts = ", ".join(self.expert_parts[:-1]) + f" and {self.expert_parts[-1]}"
             raise ConversionError(
-                f"{module}: only {len(tensors)} of {3 * self.num_experts} expert tensors (gate, up and down per "
-                "expert) were found in the checkpoint."
+                f"{module}: only {len(tensors)} of {len(self.expert_parts) * self.num_experts} expert tensors ({parts} "
+                "per expert) were found in the checkpoint."
             )
 
 

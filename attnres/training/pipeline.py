@@ -77,14 +77,14 @@ class PipelineLayout(NamedTuple):
 
     stage_layers: the decoder layers of each stage, in order; stage s runs on rank s % num_ranks.
     num_ranks: the pipeline's processes.
-    num_sublayers: L, twice the decoder layers (docs/design.md §1).
+    layer_offsets: the sublayers before each decoder layer, L last (`AttnResConfig.layer_offsets`, docs/design.md §1).
     block_size: sublayers per block, or `None` in standard mode, whose state is the residual stream alone.
     router_layers: the layers whose router logits the load-balancing loss reads (none unless the model computes it).
     """
 
     stage_layers: tuple[range, ...]
     num_ranks: int
-    num_sublayers: int
+    layer_offsets: tuple[int, ...]
     block_size: int | None
     router_layers: tuple[int, ...]
 
@@ -127,11 +127,19 @@ class PipelineLayout(NamedTuple):
         routers = tuple(
             i for i, layer in enumerate(model.model.layers) if with_aux_loss and moe.router_of(layer) is not None
         )
-        return cls(layers, num_ranks, config.num_sublayers, block_size, routers)
+        return cls(layers, num_ranks, config.layer_offsets, block_size, routers)
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_layers)
+
+    @property
+    def num_sublayers(self) -> int:
+        return self.layer_offsets[-1]
+
+    def sublayers_through(self, stage: int) -> int:
+        """The sublayers of the stages up to `stage`, included: the position of its last sublayer."""
+        return self.layer_offsets[self.stage_layers[stage].stop]
 
     def rank(self, stage: int) -> int:
         return stage % self.num_ranks
@@ -141,7 +149,7 @@ class PipelineLayout(NamedTuple):
         block (docs/design.md §4); 0 in standard mode."""
         if self.block_size is None:
             return 0
-        sublayers = 2 * self.stage_layers[stage].stop
+        sublayers = self.sublayers_through(stage)
         closed = math.ceil if sublayers == self.num_sublayers else math.floor
         return 1 + closed(sublayers / self.block_size)
 
@@ -151,7 +159,7 @@ class PipelineLayout(NamedTuple):
 
     def partial_after(self, stage: int) -> bool:
         """Whether the boundary after `stage` cuts a block (or carries the residual stream, in standard mode)."""
-        return self.block_size is None or (2 * self.stage_layers[stage].stop) % self.block_size != 0
+        return self.block_size is None or self.sublayers_through(stage) % self.block_size != 0
 
     def transfer(self, stage: int, cached: bool) -> Transfer:
         """What the boundary after `stage` sends. Without caching, everything the next stage reads; with it, only
@@ -298,7 +306,7 @@ class AttnResStage(nn.Module):
         own steps' rows."""
         if not self.first_mixer.two_phase:
             return None
-        mixers = [mixer for layer in self.model.layers.values() for mixer in (layer.attn_residual, layer.mlp_residual)]
+        mixers = [mixer for layer in self.model.layers.values() for mixer in layer.depth_mixers]
         if self.is_last:
             mixers.append(self.model.output_residual)
         queries = gather_queries([mixer.query for mixer in mixers])
