@@ -186,6 +186,18 @@ class AttnResConfig(PreTrainedConfig):
         self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self._check_fields()
 
+    def __getattr__(self, name: str):
+        """The family config's properties (Jamba's `layers_block_type`, derived from its attention period and offset),
+        which this config, holding the family config's fields but not its class, computes as that class does. Read
+        only where no attribute of the name exists, under the family's aliases too (Bamba's `layer_types`)."""
+        family = vars(self).get("family")
+        if family in FAMILIES and not name.startswith("__"):
+            config_class = FAMILIES[family].config_class
+            derived = getattr(config_class, config_class.attribute_map.get(name, name), None)
+            if isinstance(derived, property):
+                return derived.fget(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_dict(self) -> dict:
         """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""
         output = super().to_dict()
