@@ -202,15 +202,18 @@ class AttnResConfig(PreTrainedConfig):
         self._check_fields()
 
     def __getattr__(self, name: str):
-        """The family config's properties (Mamba's `layer_types`, Nemotron-H's `num_hidden_layers`, Bailing's `limit_after_act`, Kolibri 1.1's
-        `kv_sharing_modes`), which its modules
-        and Transformers' caches read, computed from this config's fields as the family's config computes them from
-        its own. Python calls this only for a name that the instance and its class lack."""
+        """The family config's properties (Mamba's `layer_types`, Nemotron-H's `num_hidden_layers`, Jamba's
+        `layers_block_type`, Bailing's `limit_after_act`, Kolibri 1.1's `kv_sharing_modes`), which its modules and
+        Transformers' caches read, computed from this config's fields as the family's config computes them from its
+        own, under the family's aliases too (Bamba's `layer_types`). Python calls this only for a name that the
+        instance and its class lack."""
         family = FAMILIES.get(vars(self).get("family"))
-        family_property = _properties(family.config_class).get(name) if family else None
-        if family_property is None or not vars(self).get(_FAMILY_BUILT):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return family_property.fget(self)
+        if family is not None and vars(self).get(_FAMILY_BUILT):
+            config_class = family.config_class
+            family_property = _properties(config_class).get(config_class.attribute_map.get(name, name))
+            if family_property is not None:
+                return family_property.fget(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def to_dict(self) -> dict:
         """Transformers' serialisation of the instance's attributes, less the family's aliases (`__post_init__`)."""

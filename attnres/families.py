@@ -17,7 +17,7 @@ This file is copied flat into remote-code checkpoints, so it imports only torch 
 
 import copy
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -47,9 +47,15 @@ class Sublayer:
     call: how the family's decoder layer calls `module`: `ATTENTION`, `RECURRENT` or `FEED_FORWARD`.
     cache_argument: the keyword `module` takes the cache by where it is not Transformers' own (`cache`): GPT-Neo's
         and GPT-BigCode's attentions take it as `layer_past`; `None` for Transformers' own.
-    summed: modules called the same way on the same input whose outputs the family's layer adds to `module`'s, in
-        order, as one branch (Granite 4's and Granite MoE Shared's shared MLP beside the MoE). A module the family's
-        layer leaves out for the config (Granite 4's MoE without experts) is skipped, as the layer skips it.
+    summed: modules on the same input whose outputs the family's layer adds to `module`'s, in order, as one branch:
+        by name, called the same way (Granite 4's and Granite MoE Shared's shared MLP beside the MoE), or as a
+        `Sublayer` of its own call, mask and multipliers, without a norm or modules of its own (Falcon-H1's attention
+        beside its Mamba). A module the family's layer leaves out for the config (Granite 4's MoE without experts) is
+        skipped, as the layer skips it.
+    mask: in a layer whose type has masks of several kinds (`HYBRID_MASKS`), the kind `module` reads: the causal mask
+        (`"full_attention"`) or the padding mask (`"linear_attention"`); `None` where the layer has one mask.
+    input_multiplier, output_multiplier: the config fields of the scalars the family's layer multiplies the module's
+        input and output by (Falcon-H1's `attention_in_multiplier` and `attention_out_multiplier`), or `None`.
     residual_argument: the keyword by which `module` takes the residual that it adds to its own output itself (MPT's
         MLP, BLOOM's attention and MLP), or `None`. The model passes a zero, so the module returns its branch alone
         (`x + 0 == x`) and the stream stays the model's.
@@ -74,12 +80,28 @@ class Sublayer:
     post: tuple[str, ...] = ()
     call: str = ATTENTION
     cache_argument: str | None = None
-    summed: tuple[str, ...] = ()
+    summed: tuple["str | Sublayer", ...] = ()
+    mask: str | None = None
+    input_multiplier: str | None = None
+    output_multiplier: str | None = None
     residual_argument: str | None = None
     output_bias: int | None = None
     dropout: str | None = None
     threaded: str | None = None
     shared: tuple[str, str] | None = None
+
+    @property
+    def summands(self) -> tuple["Sublayer", ...]:
+        """The modules whose outputs the branch sums, each as the `Sublayer` that says how it is called: `module`,
+        then those `summed` beside it (one named alone is called as `module` is)."""
+        summed = (part if isinstance(part, Sublayer) else replace(self, module=part, summed=()) for part in self.summed)
+        return (replace(self, summed=()), *summed)
+
+    @property
+    def multipliers(self) -> set[str]:
+        """The config fields of the scalars the family's layer applies to the branch's modules."""
+        summands = self.summands
+        return ({part.input_multiplier for part in summands} | {part.output_multiplier for part in summands}) - {None}
 
 
 PRE_NORM = (
@@ -166,6 +188,43 @@ NEMOTRON_H_MIXERS = {
     "mlp": (Sublayer("mixer", "norm", call=FEED_FORWARD),),
     "moe": (Sublayer("mixer", "norm", call=FEED_FORWARD),),
 }
+# Mamba layers between attention layers, each followed by the MLP or MoE behind its own norm (Jamba's Mamba, Bamba's
+# Mamba 2).
+MAMBA_FEED_FORWARD = Sublayer("feed_forward", "pre_ff_layernorm", call=FEED_FORWARD)
+MAMBA_HYBRID = {
+    "full_attention": (Sublayer("self_attn", "input_layernorm"), MAMBA_FEED_FORWARD),
+    "linear_attention": (Sublayer("mamba", "input_layernorm", call=RECURRENT), MAMBA_FEED_FORWARD),
+}
+# Mamba 2 and attention side by side on one input in every layer, each output and the attention's input scaled, then
+# the MLP (Falcon-H1); the layer's masks by kind (`HYBRID_MASKS`).
+HYBRID_MASKS = "hybrid"
+FALCON_H1_LAYER = {
+    HYBRID_MASKS: (
+        Sublayer(
+            "mamba",
+            "input_layernorm",
+            call=RECURRENT,
+            mask="linear_attention",
+            output_multiplier="ssm_out_multiplier",
+            summed=(
+                Sublayer(
+                    "self_attn",
+                    None,
+                    mask="full_attention",
+                    input_multiplier="attention_in_multiplier",
+                    output_multiplier="attention_out_multiplier",
+                ),
+            ),
+        ),
+        MAMBA_FEED_FORWARD,
+    ),
+}
+# Griffin's recurrent blocks between windowed attention layers, both under `temporal_block` and called alike
+# (RecurrentGemma).
+GRIFFIN = dict.fromkeys(
+    ("linear_attention", "sliding_attention"),
+    (Sublayer("temporal_block", "temporal_pre_norm"), Sublayer("mlp_block", "channel_pre_norm", call=FEED_FORWARD)),
+)
 # A linear attention between attention layers, both built under `self_attn` (Kimi Linear's Kimi Delta Attention between
 # latent-attention layers, Bailing's Lightning-style linear attention between its attention layers).
 KIMI_DELTA_ATTENTION = {
@@ -222,6 +281,9 @@ class Moe:
     gated_experts: each expert is a gated MLP, its gate and up projections stacked in `experts.gate_up_proj`; without
         a gate (Nemotron-H's), the experts hold `experts.up_proj` and `experts.down_proj` alone. Checkpoints that
         store one expert at a time are stacked into them as the family's conversion mapping does.
+    router_class: the router's class in the family's modeling module, by which the model records its logits, where
+        another family's router has the same name with its logits at another index (Llama 4's and Jamba's
+        `feed_forward.router`); `None` records them by the router's name.
     """
 
     experts: str = "num_local_experts"
@@ -231,6 +293,7 @@ class Moe:
     load_balancing_loss: bool = True
     mixtral_experts: bool = True
     gated_experts: bool = True
+    router_class: str | None = None
 
     @property
     def module(self) -> str:
@@ -359,11 +422,16 @@ class Family:
     scaled_embedding: the family's embedding module multiplies by sqrt(hidden_size) (`<prefix>TextScaledWordEmbedding`).
     embedding_dropout: the config field of the dropout the family's model applies to the embedding in training
         (StarCoder2), or `None`.
+    embedding_scale_dtype: the dtype in which the family's model holds the sqrt(hidden_size) it multiplies the
+        embedding by before the first layer, rounded to it (RecurrentGemma's `normalizer`, in bf16), or `None`.
     mup_embedding_scale: the config field that, when true, has the family's model multiply the embedding by
         sqrt(hidden_size) before the first layer (AFMoE's muP input scaling, `mup_enabled`), or `None`.
     embedding_multiplier, residual_multiplier, logits_divisor, logits_multiplier, logit_softcap: the config fields of
         the scalars the family's model applies to the embedding, to each sublayer's output, and to the logits (divided
         by the value as Granite's, multiplied by it as HyperCLOVA X's, or soft-capped at it), or `None`.
+    z_loss: the config field of the coefficient of the z-loss, the mean over positions of the squared log-sum-exp of
+        the logits, that the family's `*ForCausalLM` adds to the loss where the coefficient is positive (Bamba's
+        `z_loss_coefficient`), or `None`.
     rotary_per_layer_type: the rotary embedding takes a layer type (Gemma 3, OLMo 3: bases per attention type).
     rope_theta_per_layer: the config field of each layer's RoPE base, `0` for a layer without rotary embedding
         (Granite MoE SWA's `layer_rope_theta`), or `None`. The model then builds the family's rotary embedding once per
@@ -381,8 +449,17 @@ class Family:
     moe: how the family's sparse MoE layers are found and trained (`Moe`), or `None` for a dense family.
     decoder_layer, causal_lm: the suffixes of the family's decoder-layer and causal-LM classes (GPT-2's `GPT2Block`
         and `GPT2LMHeadModel`).
-    layer_decoder_layers: for hybrids whose model builds a decoder-layer class per layer type, each type's suffix in
-        place of `decoder_layer` (OLMo Hybrid's `AttentionDecoderLayer` and `LinearAttentionDecoderLayer`), or `None`.
+    layer_decoder_layers: for hybrids whose model builds each layer type with a class of its own (OLMo Hybrid's
+        `AttentionDecoderLayer` and `LinearAttentionDecoderLayer`, Jamba's `AttentionDecoderLayer` and
+        `MambaDecoderLayer`), those classes' suffixes by layer type, in place of `decoder_layer`, or `None`.
+    layer_buffers: `(path, function)`: the buffers, not persistent, that the family's model registers on modules of
+        each decoder layer, by their path under the layer and the function of the family's modeling module that
+        computes them from the config (Falcon-H1's `mamba.mup_vector`, by `compute_mup_vector`).
+    cache_setup: the method of the family's `*PreTrainedModel` that its model calls with `(config, batch, device,
+        dtype)` as it starts a cache, to reset the state its modules hold themselves (RecurrentGemma's
+        `_setup_cache`), or `None`.
+    layer_type_argument: the keyword under which the family's model passes a decoder layer its type (Bamba's
+        `layer_type`, from `layers_block_type`), or `None` where the layer reads it from the config.
     parts: the modules of the family's model around the layers that the AttnRes model takes from it (`ModelParts`),
         where they are not Llama's, or `None`.
     checkpoint_renamings: `(pattern, replacement)` regular expressions that rename the family's checkpoint names to
@@ -390,7 +467,8 @@ class Family:
         Llama's `model.layers`, `model.embed_tokens` and `model.norm` (GPT-2's `transformer.h`, `transformer.wte`,
         `transformer.ln_f`): the conversion applies them after Transformers' own renamings for the family.
     initializer_range: the config field of the standard deviation of the family's initialisation (OPT's `init_std`),
-        which the comparison residuals initialise their parameters with too.
+        which the comparison residuals initialise their parameters with too; `None` where the config has none
+        (RecurrentGemma), for Transformers' default.
     output_vocab: the config field of the size of the family's LM head where it may be pruned below the vocabulary
         (Apertus 1.5 keeps the text-only prefix of the ids; the field's `None` keeps them all), or `None`.
     attention_bias: the bias on the attention scores that the family's model builds and hands to every layer
@@ -401,7 +479,8 @@ class Family:
         `lm_head_bias`), or `None` where it never has one.
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
-        there computes other logits in 5.19).
+        there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
+        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`).
     """
 
     model_type: str
@@ -415,12 +494,14 @@ class Family:
     llama_norm: bool = True
     scaled_embedding: bool = False
     embedding_dropout: str | None = None
+    embedding_scale_dtype: torch.dtype | None = None
     mup_embedding_scale: str | None = None
     embedding_multiplier: str | None = None
     residual_multiplier: str | None = None
     logits_divisor: str | None = None
     logits_multiplier: str | None = None
     logit_softcap: str | None = None
+    z_loss: str | None = None
     rotary_per_layer_type: bool = False
     rope_theta_per_layer: str | None = None
     rope_layer_types: tuple[str, ...] | None = None
@@ -430,11 +511,14 @@ class Family:
     moe: Moe | None = None
     model_prefix: str | None = None
     decoder_layer: str = "DecoderLayer"
-    layer_decoder_layers: dict[str, str] | None = None
     causal_lm: str = "ForCausalLM"
+    layer_decoder_layers: dict[str, str] | None = None
+    layer_type_argument: str | None = None
+    layer_buffers: tuple[tuple[str, str], ...] = ()
+    cache_setup: str | None = None
     parts: ModelParts | None = None
     checkpoint_renamings: tuple[tuple[str, str], ...] = ()
-    initializer_range: str = "initializer_range"
+    initializer_range: str | None = "initializer_range"
     output_vocab: str | None = None
     attention_bias: AttentionBias | None = None
     boolean_mask: bool = False
@@ -520,11 +604,15 @@ class Family:
         kind = layer_types(config)[layer_idx]
         return kind if self.rope_layer_types is None or kind in self.rope_layer_types else None
 
-    def decoder_layer_of(self, config, layer_idx: int) -> type[nn.Module]:
-        """The family's decoder-layer class that its model builds as layer `layer_idx`."""
-        if self.layer_decoder_layers is None:
-            return self.cls(self.decoder_layer)
-        return self.cls(self.layer_decoder_layers[config.layer_types[layer_idx]])
+    def decoder_layer_of(self, config, layer_idx: int) -> nn.Module:
+        """Decoder layer `layer_idx` built as the family's model builds it: with the class of its layer type
+        (`layer_decoder_layers`) or the family's one, given its type where the family's model gives it
+        (`layer_type_argument`)."""
+        kind = config.layer_types[layer_idx] if self.layer_decoder_layers or self.layer_type_argument else None
+        layer_class = self.cls(self.layer_decoder_layers[kind] if self.layer_decoder_layers else self.decoder_layer)
+        if self.layer_type_argument is not None:
+            return layer_class(config, layer_idx, **{self.layer_type_argument: kind})
+        return layer_class(config, layer_idx)
 
     def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, ...]:
         """The sublayers of decoder layer `layer_idx`, in order: its token mixer and its MLP, or its one mixer."""
@@ -550,6 +638,19 @@ class Family:
             return "the sum of the layers' sublayers"
         count = counts.pop()
         return "num_hidden_layers" if count == 1 else f"{count} * num_hidden_layers"
+
+    @property
+    def router_recorder(self) -> tuple[type | None, str | None, int]:
+        """How the model records the router logits of an MoE family: the router's class or its name under a
+        decoder layer (`Moe.router_class`), and the index of the logits in its output."""
+        if self.moe.router_class is not None:
+            return getattr(self.modeling, self.moe.router_class), None, self.moe.logits_index
+        return None, self.moe.router, self.moe.logits_index
+
+    def initializer_std(self, config) -> float:
+        """The standard deviation of the family's initialisation (`initializer_range`), Transformers' default where
+        the family's config has no field for it."""
+        return DEFAULT_INITIALIZER_RANGE if self.initializer_range is None else getattr(config, self.initializer_range)
 
     def load_balancing_loss(self, config, router_logits: tuple, attention_mask) -> torch.Tensor | None:
         """The family's load-balancing loss over the recorded router logits, as its `*ForCausalLM` computes it, or
@@ -728,6 +829,8 @@ MAMBA = dict(
 )
 # DeepSeek-V3, GLM-4.5: a routing bias balances the experts, and their `*ForCausalLM` adds no loss.
 NO_LOAD_BALANCING_LOSS = Moe(load_balancing_loss=False)
+# The final norm of Jamba's and Bamba's models, `final_layernorm`.
+FINAL_LAYERNORM = ((r"^model\.final_layernorm\.", "model.norm."),)
 # Families whose config is in the installed Transformers: InternLM3's is absent from the lowest supported, 5.16.1.
 FAMILIES = {
     family.model_type: family
@@ -820,7 +923,13 @@ FAMILIES = {
                 Sublayer("feed_forward", "post_attention_layernorm", call=FEED_FORWARD),
             ),
             llama_norm=False,
-            moe=Moe(router="feed_forward.router", logits_index=1, load_balancing_loss=False, mixtral_experts=False),
+            moe=Moe(
+                router="feed_forward.router",
+                logits_index=1,
+                load_balancing_loss=False,
+                mixtral_experts=False,
+                router_class="Llama4Router",
+            ),
             model_prefix="Llama4",
         ),
         Family("hy_v3", "hy_v3", "HYV3", moe=Moe(load_balancing_loss=False)),
@@ -1073,11 +1182,61 @@ FAMILIES = {
                 ),
             },
         ),
+        # Jamba: a class of decoder layer per type, NoPE attention, MoE every `expert_layer_period` layers.
+        Family(
+            "jamba",
+            "jamba",
+            "Jamba",
+            layer_sublayers=MAMBA_HYBRID,
+            layer_decoder_layers={"full_attention": "AttentionDecoderLayer", "linear_attention": "MambaDecoderLayer"},
+            rotary_embedding=None,
+            moe=Moe("num_experts", router="feed_forward.router", router_class="JambaTopKRouter"),
+            checkpoint_renamings=FINAL_LAYERNORM,
+            since=(5, 21),
+        ),
+        Family(
+            "bamba",
+            "bamba",
+            "Bamba",
+            layer_sublayers=MAMBA_HYBRID,
+            layer_type_argument="layer_type",
+            z_loss="z_loss_coefficient",
+            checkpoint_renamings=FINAL_LAYERNORM,
+        ),
+        # Falcon-H1: muP multipliers on the embedding, on the logits and inside the modules.
+        Family(
+            "falcon_h1",
+            "falcon_h1",
+            "FalconH1",
+            layer_sublayers=FALCON_H1_LAYER,
+            layer_buffers=(("mamba.mup_vector", "compute_mup_vector"),),
+            embedding_multiplier="embedding_multiplier",
+            logits_multiplier="lm_head_multiplier",
+            checkpoint_renamings=FINAL_LAYERNORM,
+            since=(5, 23),
+        ),
+        # RecurrentGemma: each temporal block holds its own recurrent state and computes its own rotary embedding.
+        Family(
+            "recurrent_gemma",
+            "recurrent_gemma",
+            "RecurrentGemma",
+            layer_sublayers=GRIFFIN,
+            llama_norm=False,
+            embedding_scale_dtype=torch.bfloat16,
+            logit_softcap="logits_soft_cap",
+            rotary_embedding=None,
+            initializer_range=None,  # its initialisation scales each module by its own variances
+            cache_setup="_setup_cache",
+            checkpoint_renamings=((r"^model\.final_norm\.", "model.norm."),),
+            since=(5, 23),
+        ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since
 }
 
 
+# Transformers' standard deviation of an initialisation where a config has no `initializer_range` (RecurrentGemma).
+DEFAULT_INITIALIZER_RANGE = 0.02
 # The eps of torch's `nn.LayerNorm` where a family's config has no field for it (OPT).
 LAYER_NORM_EPS = 1e-5
 

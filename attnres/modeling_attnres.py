@@ -37,7 +37,17 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_attnres import AttnResConfig
 from .depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
 from .depth_state import DepthContext, DepthState, StateLayout, flatten_state
-from .families import ATTENTION, FAMILIES, FEED_FORWARD, RECURRENT, Family, Sublayer, layer_types, norm_eps
+from .families import (
+    ATTENTION,
+    FAMILIES,
+    FEED_FORWARD,
+    HYBRID_MASKS,
+    RECURRENT,
+    Family,
+    Sublayer,
+    layer_types,
+    norm_eps,
+)
 from .transformers_compat import (
     CACHE_NAME,
     accepts_past_key_values,
@@ -79,6 +89,13 @@ def pre_norm(norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput)
 
 def no_mask(*args, **kwargs) -> None:
     return None
+def hybrid_masks(config: AttnResConfig, *args, **kwargs) -> dict[str, torch.Tensor | None]:
+    """The masks of a layer whose attention and recurrent mixer sit side by side (Falcon-H1's `hybrid` layers), by the
+    kind each reads (`Sublayer.mask`): the attention's causal mask and the mixer's padding mask."""
+    return {
+        "full_attention": create_causal_mask(config, *args, **kwargs),
+        "linear_attention": create_recurrent_attention_mask(config, *args, **kwargs),
+    }
 
 
 def attention_masks(
@@ -105,6 +122,7 @@ def attention_masks(
         # Nemotron-H's layers of an MLP or an MoE alone, which read no mask.
         "mlp": no_mask,
         "moe": no_mask,
+        HYBRID_MASKS: hybrid_masks,  # Falcon-H1's layers: attention and Mamba side by side
     }
     # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
     return {
@@ -179,7 +197,8 @@ def family_embeddings(
 ) -> torch.Tensor:
     """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
     that add them (GPT-2's, OPT's), through BLOOM's embedding norm, times Granite's `embedding_multiplier`, times
-    sqrt(hidden_size) under AFMoE's muP, through GPT-2's and StarCoder2's embedding dropout in training."""
+    RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's muP, through GPT-2's and
+    StarCoder2's embedding dropout in training."""
     family = FAMILIES[config.family]
     if embed_positions is not None:
         inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
@@ -187,6 +206,9 @@ def family_embeddings(
         inputs_embeds = embedding_norm(inputs_embeds)
     if family.embedding_multiplier is not None:
         inputs_embeds = inputs_embeds * getattr(config, family.embedding_multiplier)
+    if family.embedding_scale_dtype is not None:
+        scale = torch.tensor(config.hidden_size**0.5, dtype=family.embedding_scale_dtype)
+        inputs_embeds = inputs_embeds * scale.to(inputs_embeds.device, inputs_embeds.dtype)
     if family.mup_embedding_scale is not None and getattr(config, family.mup_embedding_scale):
         inputs_embeds = inputs_embeds * (config.hidden_size**0.5)
     if family.embedding_dropout is not None:
@@ -206,6 +228,16 @@ def family_logits(config: AttnResConfig, logits: torch.Tensor) -> torch.Tensor:
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def with_family_z_loss(config: AttnResConfig, loss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`loss` plus the z-loss the family's `*ForCausalLM` adds where its coefficient is positive (Bamba's
+    `z_loss_coefficient`), over the logits it computes."""
+    field = FAMILIES[config.family].z_loss
+    coefficient = getattr(config, field) if field else 0
+    if coefficient > 0:
+        loss = loss + coefficient * logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()
+    return loss
 
 
 class RecordedHiddenState(nn.Module):
@@ -235,9 +267,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         family = FAMILIES[config.family]
-        for name, module in family.decoder_layer_of(config, layer_idx)(config, layer_idx).named_children():
+        for name, module in family.decoder_layer_of(config, layer_idx).named_children():
             self.add_module(name, module)
         self.sublayers = family.sublayers_of(config, layer_idx)
+        self.summands = tuple(sublayer.summands for sublayer in self.sublayers)
         if family.llama_norm:  # the same function, fused with the depth step in front of it
             for sublayer in self.sublayers:
                 # Only where the layer holds the family's norm: A.X K2's MoE layers gate theirs.
@@ -245,6 +278,13 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                     self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm_eps(config)))
         self.residual_multiplier = getattr(config, family.residual_multiplier) if family.residual_multiplier else None
         self.branch_dropouts = {s.dropout: getattr(config, s.dropout) for s in self.sublayers if s.dropout}
+        # The scalars the family's layer applies to its modules' inputs and outputs (Falcon-H1's).
+        self.multipliers = {name: getattr(config, name) for sublayer in self.sublayers for name in sublayer.multipliers}
+        # Buffers the family's model registers on its layers' modules (Falcon-H1's muP vector).
+        for path, function in family.layer_buffers:
+            module, _, name = path.rpartition(".")
+            buffer = getattr(family.modeling, function)(config)
+            self.get_submodule(module).register_buffer(name, buffer, persistent=False)
         # How the layer's recurrent mixer, where it has one, takes the cache and which keywords (transformers_compat).
         recurrent = [getattr(self, sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
         self.recurrent_cache_name = recurrent_cache_name(recurrent[0]) if recurrent else None
@@ -325,12 +365,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             threaded=threaded,
             kwargs=kwargs,
         )
-        for index, (sublayer, mixer) in enumerate(zip(self.sublayers, depth_mixers)):
+        for index, (sublayer, summands, mixer) in enumerate(zip(self.sublayers, self.summands, depth_mixers)):
             hidden_states = mixer(state, depth_context)
             if index == 0 and depth_context.record_inputs:
                 self.recorded_input(hidden_states)
             sublayer_input = self.sublayer_input(sublayer, hidden_states)
-            output = self.sublayer_output(sublayer, sublayer_input, **inputs)
+            output = self.sublayer_output(summands, sublayer_input, **inputs)
             state = mixer.absorb(self.branch_output(sublayer, output, sublayer_input.shape), state, depth_context)
         if depth_layout is None:
             return state
@@ -343,7 +383,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     def sublayer_output(
         self,
-        sublayer: Sublayer,
+        summands: tuple[Sublayer, ...],
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
@@ -356,13 +396,24 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         """The sublayer's module called as the family's decoder layer calls it (`Sublayer.call`):
         attention with the position embeddings or the family's attention bias and its mask, a recurrent mixer with its
         padding mask, both with the cache; an MLP or MoE on the hidden states alone; a zero residual where the module
-        adds one itself (`Sublayer.residual_argument`). With modules summed beside it (`Sublayer.summed`), the sum of
-        their outputs in order, of those the family's layer built."""
-        modules = [getattr(self, name, None) for name in (sublayer.module, *sublayer.summed)]
-        inputs = (
-            hidden_states, attention_mask, position_embeddings, position_ids, cache, attention_bias, threaded, kwargs
-        )
-        outputs = [self.module_output(sublayer, module, *inputs) for module in modules if module is not None]
+        adds one itself (`Sublayer.residual_argument`). With modules summed beside it (`Sublayer.summands`), the sum
+        of their outputs in order, of those the family's layer built, each called its own way, on its kind of mask
+        where the layer has several (`Sublayer.mask`), its input and output times the family's multipliers."""
+        outputs = []
+        for part in summands:
+            module = getattr(self, part.module, None)
+            if module is None:
+                continue
+            mask = attention_mask[part.mask] if part.mask is not None else attention_mask
+            inputs = hidden_states
+            if part.input_multiplier is not None:
+                inputs = inputs * self.multipliers[part.input_multiplier]
+            output = self.module_output(
+                part, module, inputs, mask, position_embeddings, position_ids, cache, attention_bias, threaded, kwargs
+            )
+            if part.output_multiplier is not None:
+                output = output * self.multipliers[part.output_multiplier]
+            outputs.append(output)
         return sum(outputs[1:], outputs[0])
 
     def module_output(
@@ -399,8 +450,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             if keyword not in threaded:
                 threaded[keyword] = shared()
             kwargs = dict(kwargs, **{keyword: threaded[keyword]})
+        # The input positionally: RecurrentGemma's recurrent blocks, called as its attention is, name it otherwise.
         outputs = module(
-            hidden_states=hidden_states,
+            hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{sublayer.cache_argument or CACHE_NAME: cache},
@@ -450,8 +502,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
     # `hidden_states[i]` is the input the i-th decoder layer's attention sublayer reads (the depth-mixed input under
     # AttnRes, the residual stream in standard mode, where this equals the family's), and the last entry is the output
     # after the final norm, each computed by a `RecordedHiddenState`. Attentions and router logits are recorded by
-    # module name, where the families' classes differ: `self_attn`, and each MoE family's router (`families.Moe`);
-    # by class where the name is that of other modules too (`Family.recorded_attention`). One
+    # module name, where the families' classes differ: `self_attn`, and each MoE family's router (`families.Moe`; by
+    # its class where another family's router has its name but not its output's layout); by class where the name is
+    # that of other modules too (`Family.recorded_attention`). One
     # list for every family, since Transformers < 5.25 keeps one record per model class; a model holds the modules
     # of its own family only.
     _can_record_outputs = {
@@ -462,12 +515,13 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "attentions": [
             OutputRecorder(None, index=1, class_name=f".{attention}")
             for attention in dict.fromkeys(
-                sublayer.module
+                part.module
                 for family in FAMILIES.values()
                 if family.recorded_attention is None
                 for sublayers in (family.layer_sublayers or {None: family.sublayers}).values()
                 for sublayer in sublayers
-                if sublayer.call == ATTENTION
+                for part in sublayer.summands
+                if part.call == ATTENTION
             )
         ]
         + [
@@ -476,9 +530,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
             if family.recorded_attention is not None
         ],
         "router_logits": [
-            OutputRecorder(None, index=index, class_name=router)
-            for router, index in dict.fromkeys(
-                (family.moe.router, family.moe.logits_index) for family in FAMILIES.values() if family.moe
+            OutputRecorder(router_class, index=index, class_name=router)
+            for router_class, router, index in dict.fromkeys(
+                family.router_recorder for family in FAMILIES.values() if family.moe
             )
         ],
     }
@@ -533,8 +587,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         family_initialisation(self.config)._init_weights(module)
-        std = getattr(self.config, FAMILIES[self.config.family].initializer_range)
-        if isinstance(module, DepthQuery):
+        std = FAMILIES[self.config.family].initializer_std(self.config)
+        if isinstance(module, AttnResDecoderLayer):
+            family = FAMILIES[self.config.family]
+            for path, function in family.layer_buffers:
+                init.copy_(module.get_buffer(path), getattr(family.modeling, function)(self.config))
+        elif isinstance(module, DepthQuery):
             # Zero pseudo-queries: uniform depth attention, which reproduces the PreNorm residual up to the norms.
             init.zeros_(module.pseudo_query)
             if module.key_norm_weight is not None:
@@ -639,6 +697,10 @@ class AttnResModel(AttnResPreTrainedModel):
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+            family = FAMILIES[self.config.family]
+            if family.cache_setup is not None:  # the state RecurrentGemma's modules hold, reset for the new cache
+                setup = getattr(family.cls("PreTrainedModel"), family.cache_setup)
+                setup(self, self.config, inputs_embeds.shape[0], inputs_embeds.device, inputs_embeds.dtype)
 
         if position_ids is None:
             position_ids = family_position_ids(self.config, inputs_embeds, attention_mask, cache)
@@ -799,6 +861,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.lm_head.out_features, **kwargs)
+            loss = with_family_z_loss(self.config, loss, logits)
 
         aux_loss = None
         if output_router_logits:

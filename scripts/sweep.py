@@ -128,6 +128,11 @@ OVERRIDES: dict[str, dict] = {
     "zamba": dict(num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, layers_block_type=None),
     # its default has no attention layer, and its model makes an attention mask whatever the layers
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    # their defaults have no attention layer in the first layers, and their models make an attention mask whatever
+    # the layers
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "bamba": dict(attn_layer_indices=[1]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "kimi_linear": dict(num_key_value_heads=4),  # latent attention expands keys and values to every query head
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # its default has no layer types
     # multi-head latent attention: keys and values have as many heads as queries

@@ -613,6 +613,75 @@ CASES = {
             moe_latent_size=32,
         ),
     ),
+    # Mamba, attention (NoPE), Mamba; MoE in the Mamba layers, a dense MLP in the attention one.
+    "jamba": (
+        "jamba",
+        dict(
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=16,
+            mamba_d_conv=3,
+            mamba_dt_rank=8,
+            mamba_proj_bias=True,
+        ),
+    ),
+    # Mamba 2, attention with half-rotary RoPE, Mamba 2; biases, and the z-loss on the logits.
+    "bamba": (
+        "bamba",
+        dict(
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_d_conv=3,
+            mamba_chunk_size=8,
+            mamba_proj_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            z_loss_coefficient=0.1,
+        ),
+    ),
+    # Mamba 2 (its gated norm on) beside attention in every layer, every muP multiplier away from 1, biases.
+    "falcon_h1": (
+        "falcon_h1",
+        dict(
+            mamba_d_ssm=None,
+            mamba_n_heads=4,
+            mamba_d_state=16,
+            mamba_d_conv=3,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            mamba_proj_bias=True,
+            projectors_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            embedding_multiplier=3.0,
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.8, 1.2],
+            key_multiplier=0.7,
+            attention_in_multiplier=1.3,
+            attention_out_multiplier=0.6,
+            ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.05],
+            ssm_in_multiplier=1.1,
+            ssm_out_multiplier=0.9,
+        ),
+    ),
+    # A recurrent block, windowed attention with biases, a recurrent block; hidden 48, so that the embedding's scale,
+    # sqrt(48) held in bf16, is rounded.
+    "recurrent_gemma": (
+        "recurrent_gemma",
+        dict(
+            hidden_size=48,
+            block_types=["recurrent", "attention", "recurrent"],
+            attention_window_size=4,
+            conv1d_width=3,
+            attention_bias=True,
+        ),
+    ),
 }
 # The families the installed Transformers has (InternLM3 from after 5.19).
 CASES = {case: spec for case, spec in CASES.items() if spec[0] in FAMILIES}

@@ -176,6 +176,31 @@ def test_a_family_has_its_own_moe_fields_and_no_other():
     assert not hasattr(AttnResConfig(family="qwen3"), "num_experts")
 
 
+def test_the_config_computes_the_familys_derived_properties():
+    """A family config's properties (Bamba's `layers_block_type`, which its `layer_types` names, from its attention
+    layers' indices) are computed on an AttnRes config of the family as on the family's own config."""
+    fields = dict(COMMON, num_hidden_layers=4, attn_layer_indices=[1, 3])
+    family_config = FAMILIES["bamba"].config_class(**fields)
+    config = AttnResConfig(family="bamba", **fields)
+    assert config.layer_types == config.layers_block_type == family_config.layers_block_type
+    assert config.layer_types == ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    assert "layers_block_type" not in config.to_dict()  # derived, as the family's config does not save it
+    assert not hasattr(AttnResConfig(), "layers_block_type")
+
+
+def test_each_router_is_recorded_once():
+    """Router logits are recorded by the router's name under a decoder layer, for every family at once: a name whose
+    routers hold their logits at two indices of their output would record both of each. Such routers are recorded by
+    their class (Llama 4's and Jamba's `feed_forward.router`), under names no router recorded by name has."""
+    by_name = {}
+    for family in FAMILIES.values():
+        if family.moe is not None and family.moe.router_class is None:
+            by_name.setdefault(family.moe.router, set()).add(family.moe.logits_index)
+    assert all(len(indices) == 1 for indices in by_name.values())
+    by_class = [family.moe.router for family in FAMILIES.values() if family.moe and family.moe.router_class]
+    assert by_name.keys().isdisjoint(by_class)
+
+
 def records_router_logits(source: nn.Module, ids: torch.Tensor, experts: int) -> bool:
     """Whether the family's own `*ForCausalLM` returns its routers' logits: Transformers 5.16 records none for
     DeepSeek-V3, GLM-4.5, HunYuan and Granite MoE (whose loss then fails), and Llama 4's MoE output under that name."""
@@ -211,6 +236,24 @@ def test_standard_mode_equals_the_family_bit_for_bit(case):
             assert torch.equal(actual.aux_loss, expected.aux_loss)
         else:  # DeepSeek-V3, GLM-4.5, HunYuan and Llama 4 balance their experts with no loss
             assert actual.aux_loss is None and expected.aux_loss is None
+
+
+@pytest.mark.skipif("recurrent_gemma" not in FAMILIES, reason="RecurrentGemma's row is newer than this Transformers")
+def test_a_new_cache_resets_the_state_the_familys_modules_hold():
+    """RecurrentGemma's recurrent blocks hold their convolution and recurrence states themselves, which its model
+    resets as it starts a cache (`Family.cache_setup`): a one-token pass on a new cache after a generation computes
+    what the family's does, from zero states."""
+    source = source_model("recurrent_gemma")
+    config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
+    model = AttnResForCausalLM(config).eval()
+    model.load_state_dict(family_state_dict(source, config))
+    ids = prompt_ids()
+    with torch.no_grad():
+        for network in (source, model):
+            network.generate(ids, max_new_tokens=3, do_sample=False)
+        expected = source(ids[:, :1], use_cache=True).logits
+        actual = model(ids[:, :1], use_cache=True).logits
+    assert torch.equal(actual, expected)
 
 
 # One case of each family.
@@ -306,6 +349,7 @@ PER_EXPERT_FAMILIES = {
     "bailing_hybrid",
     "glm_moe_dsa",
     "kolibri1_1",
+    "jamba",
 }
 
 
@@ -338,9 +382,11 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
 # Linear layers that are not projections: the output head (BioGPT's `output_projection`, GPT-NeoX Japanese's
 # `embed_out`), the routers (HunYuan's
 # `gate.wg`, Llama 4's `router`), Qwen2-MoE's shared-expert gate and the indexer of DeepSeek-V3.2's sparse attention
-# (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient).
+# (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient); and Jamba's Mamba
+# time-step projection `dt_proj`, whose weight its mixer multiplies without calling it, so no adapter would act.
 NOT_PROJECTIONS = {
-    "lm_head", "output_projection", "embed_out", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk", "weights_proj"
+    "lm_head", "output_projection", "embed_out", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk",
+    "weights_proj", "dt_proj",
 }
 
 
@@ -379,19 +425,14 @@ REMOTE_SCRIPT = """
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 report = {}
 for folder, ids_path in json.loads(sys.argv[1]).items():
-    family = json.load(open(folder + "/config.json"))["family"]
-    if family not in CONFIG_MAPPING:  # a family newer than this environment's Transformers
-        try:
-            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-            report[folder] = {"refusal": None}
-        except ValueError as error:
-            report[folder] = {"refusal": str(error)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    except ValueError as error:  # a family, or its row (`since`), newer than this environment's Transformers
+        report[folder] = {"refusal": str(error)}
         continue
     ids = torch.load(ids_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     with torch.no_grad():
         report[folder] = {"logits": model(ids).logits.tolist(), "module": type(model).__module__}
 report["attnres_imported"] = sorted(m for m in sys.modules if m == "attnres" or m.startswith("attnres."))
@@ -417,7 +458,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report.pop("attnres_imported") == []
     for folder in folders:
-        if "refusal" in report[folder]:  # InternLM3 where Transformers has no such family: refused, naming it
+        if "refusal" in report[folder]:  # a family or row newer than Transformers there (InternLM3): refused, naming it
             family = json.loads((Path(folder) / "config.json").read_text())["family"]
             assert report[folder]["refusal"].startswith(f"AttnResConfig.family={family!r}: must be one of the families")
             assert "\n" not in report[folder]["refusal"]
@@ -467,6 +508,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("zamba2", {}, "Mamba layers with a shared attention block"),
         ("longcat_flash", {}, "a shortcut MoE"),
         ("minimax", {}, "a normed, scaled residual"),
+        ("rwkv", {}, "stream halved every `rescale_every` layers"),
         ]
         if case[0] in CONFIG_MAPPING  # the model types of this Transformers (MOSS-Transcribe is newer than 5.16)
     ],

@@ -139,7 +139,8 @@ def skipping(cls: type, prefixes: tuple[str, ...], reason: str) -> type:
 
 # Common tests that the family's own model fails the same way in this Transformers, where its own test class does not
 # run them on it (Llama 4's tests run its multimodal model alone; HunYuan's and LFM2-MoE's declare no fp32 modules, so
-# the test skips there; DeepSeek-V2's and Phi-3.5-MoE's replace the tests).
+# the test skips there; DeepSeek-V2's and Phi-3.5-MoE's replace the tests; RecurrentGemma's model returns no cache, so
+# the test skips).
 FAMILY_OWN_FAILURES = {
     "llama4_text": {
         "test_model_rope_scaling_frequencies": (
@@ -169,6 +170,12 @@ FAMILY_OWN_FAILURES = {
         "Phi-3.5-MoE's rotary embedding reads LongRoPE's `original_max_position_embeddings` and mscales from any "
         "RoPE type but the default, which the generic scalings do not set",
     ),
+    "recurrent_gemma": {
+        "test_bc_cache_name_forward": (
+            "RecurrentGemma's recurrent blocks hold their states themselves, so its cache's length, which its first, "
+            "recurrent layer gives, stays 0 (its own model returns no cache, so the test skips there)"
+        ),
+    },
     "lfm2_moe": {
         "test_keep_in_fp32_modules": (
             "LFM2-MoE's routing bias is a buffer built in fp32 whatever the dtype, which its model class does not "
@@ -214,6 +221,13 @@ def family_skips(cls: type, family: Family) -> type:
         # attention type (Gemma 3, OLMo 3) does not read: the family's own model fails them the same way, and its test
         # class replaces them with versions of its own.
         reason = f"{family.prefix}'s RoPE has bases per layer type, which the generic RoPE-scaling tests do not set"
+        cls = skipping(cls, ("test_model_rope_scaling_frequencies", "test_model_rope_scaling_from_config_"), reason)
+    declared = {field.name for field in dataclasses.fields(family.config_class)} | set(family.config_class.attribute_map)
+    if "max_position_embeddings" not in declared:
+        # The RoPE-scaling tests run where the config has a context length (`_config_supports_rope_scaling`), which the
+        # tester gives every config; the family's own tests skip them on its config, which has none (RecurrentGemma's,
+        # whose rotary embedding takes the default RoPE alone).
+        reason = f"{family.prefix}'s config has no max_position_embeddings, so its own tests skip RoPE scaling"
         cls = skipping(cls, ("test_model_rope_scaling_frequencies", "test_model_rope_scaling_from_config_"), reason)
     plan = family.config_class.base_model_tp_plan or {}
     if "layers.*.self_attn.q_proj" in plan and "layers.*.self_attn.q_b_proj" in plan:
@@ -440,13 +454,30 @@ FAMILY_FIELDS = {
         moe_shared_expert_intermediate_size=32,
         **MOE,
     ),
+    # Mamba with MoE, then NoPE attention with a dense MLP (Jamba).
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+    ),
+    # Mamba 2, then attention (Bamba).
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=4),
+    # Mamba 2 beside attention in both layers (Falcon-H1).
+    "falcon_h1": dict(mamba_d_ssm=None, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=4),
+    # A recurrent block, then windowed attention (RecurrentGemma).
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=4),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
-# The family's fields that the config tests' shape (hidden 40) needs: Granite 4's Mamba heads divide 2 * hidden_size,
-# and their size is the rest.
+# The family's fields that the config tests' shape (hidden 40) needs: Granite 4's and Bamba's Mamba heads divide
+# 2 * hidden_size, and their size is the rest.
 CONFIG_TESTER_FIELDS = {
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=20),
     "mamba2": dict(num_heads=4, head_dim=20, n_groups=2),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=20),
     # Experts and top-k that dots1's and DeepSeek-V2's defaults leave unset, which AttnResConfig requires.
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),
     "deepseek_v2": dict(num_experts_per_tok=2),

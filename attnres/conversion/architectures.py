@@ -66,6 +66,14 @@ _DEPTH_SCALED = (
     "a stream rescaled at every residual add, sqrt((i - 1) / i) * h + f(h) / sqrt(i): the stream is not a plain sum "
     "of the sublayers' outputs"
 )
+# `RwkvModel.forward` in inference: `hidden_states / 2` after every `rescale_every`-th block, whose output weights
+# `_rescale_layers` divides by 2 ** (i // rescale_every) to match.
+_HALVED_STREAM = (
+    "a stream halved every `rescale_every` layers in inference, h <- (h + f(h)) / 2, the layers' output weights "
+    "divided by 2**(i // rescale_every) to match (on by default and in RWKV's checkpoints; without it the layers still "
+    "thread a per-layer state list through both sublayers, not a cache): the stream is not a plain sum of the "
+    "sublayers' outputs"
+)
 _REVERSIBLE = (
     "reversible residual layers, two streams that each add the other's sublayer, Y1 = X1 + attn(X2) and "
     "Y2 = X2 + ffn(Y1), concatenated at the end: there is no single residual stream"
@@ -148,6 +156,7 @@ REFUSED_MODEL_TYPES = {
     **dict.fromkeys(("gemma3n", "gemma3n_text"), _ALTUP),
     **dict.fromkeys(("doge", "ergo", "zaya"), _STREAM_SCALE),
     "beam": _DEPTH_SCALED,
+    "rwkv": _HALVED_STREAM,
     "reformer": _REVERSIBLE,
     # HrmTextModel.forward: `L_module(z_L + z_H)` L_cycles times, then `z_H = H_module(z_H + z_L)`, H_cycles times;
     # HrmTextStack.forward ends in `final_norm(hidden_states)`.

@@ -45,6 +45,7 @@ from ..modeling_attnres import (
     family_logits,
     pre_norm,
     rotary_embeddings,
+    with_family_z_loss,
 )
 
 
@@ -480,16 +481,18 @@ def stage_modules(
 class PipelineLoss:
     """The engine's loss function on the last stage's output: the model's causal-LM loss (Transformers'
     `ForCausalLMLoss`, which shifts the labels) of one microbatch, plus `router_aux_loss_coef` times its
-    load-balancing loss for an MoE model, as `AttnResForCausalLM.forward` adds them."""
+    load-balancing loss for an MoE model and the family's z-loss (Bamba's), as `AttnResForCausalLM.forward` adds
+    them."""
 
     def __init__(self, config):
+        self.config = config
         self.vocab_size = config.vocab_size
         moe = FAMILIES[config.family].moe
         self.router_aux_loss_coef = config.router_aux_loss_coef if moe and moe.load_balancing_loss else None
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         logits, aux_loss = output if isinstance(output, tuple) else (output, None)
-        loss = ForCausalLMLoss(logits, labels, self.vocab_size)
+        loss = with_family_z_loss(self.config, ForCausalLMLoss(logits, labels, self.vocab_size), logits)
         return loss if aux_loss is None else loss + self.router_aux_loss_coef * aux_loss[0]
 
 
