@@ -223,6 +223,10 @@ class ModelParts:
         return embed_positions(position_ids)
 
 
+# The token embedding and the final norm of the family's own model, where the AttnRes model cannot build them itself:
+# OLMo's and NanoChat's norms hold no weights (OLMo's no eps field either), MiniCPM3's embedding is scaled by
+# `scale_emb`.
+OWN_EMBEDDING_AND_NORM = ModelParts(tokens="embed_tokens", positions=None, norm="norm")
 # The modules of GPT-2's model and of its descendants (GPT-Neo, GPT-BigCode), under `transformer`.
 GPT2_PARTS = ModelParts()
 GPT2_SUBLAYERS = (Sublayer("attn", "ln_1"), Sublayer("mlp", "ln_2", call=FEED_FORWARD))
@@ -265,9 +269,17 @@ class Family:
         (StarCoder2), or `None`.
     mup_embedding_scale: the config field that, when true, has the family's model multiply the embedding by
         sqrt(hidden_size) before the first layer (AFMoE's muP input scaling, `mup_enabled`), or `None`.
+    embedding_norm: the family's model passes the embeddings through its final norm before the first layer
+        (NanoChat, whose norms hold no weights, so that the first and last pipeline stages may both hold it).
     embedding_multiplier, residual_multiplier, logits_divisor, logits_multiplier, logit_softcap: the config fields of
         the scalars the family's model applies to the embedding, to each sublayer's output, and to the logits (divided
         by the value as Granite's, multiplied by it as HyperCLOVA X's, or soft-capped at it), or `None`.
+    layer_residual_scale: the attribute of the family's decoder layer holding the scalar it multiplies each sublayer's
+        output by, where the layer derives it from the config (MiniCPM3's `residual_scale`, scale_depth /
+        sqrt(num_hidden_layers)), or `None`.
+    head_input_divisor: the value of the family's config that its `*ForCausalLM` divides the hidden states by before
+        its LM head (MiniCPM3's `logits_scaling`, a property of its config class: hidden_size / dim_model_base), or
+        `None`.
     rotary_per_layer_type: the rotary embedding takes a layer type (Gemma 3, OLMo 3: bases per attention type).
     rotary_embedding: the suffix of the family's rotary-embedding class (Qwen3.5's text model has its own), or `None`
         where the family's model has none and its attention reads no position embeddings (GPT-2's learned positions are
@@ -304,11 +316,14 @@ class Family:
     scaled_embedding: bool = False
     embedding_dropout: str | None = None
     mup_embedding_scale: str | None = None
+    embedding_norm: bool = False
     embedding_multiplier: str | None = None
     residual_multiplier: str | None = None
     logits_divisor: str | None = None
     logits_multiplier: str | None = None
     logit_softcap: str | None = None
+    layer_residual_scale: str | None = None
+    head_input_divisor: str | None = None
     rotary_per_layer_type: bool = False
     rotary_embedding: str | None = "RotaryEmbedding"
     rope_switch: str | None = None
@@ -334,6 +349,12 @@ class Family:
         if suffix in ("PreTrainedModel", "ForCausalLM") and self.model_prefix is not None:
             return getattr(self.modeling, self.model_prefix + suffix)
         return getattr(self.modeling, self.prefix + suffix)
+
+    def config_value(self, config, name: str):
+        """The family's config value `name` for `config`: a field, or a property of the family's config class
+        (MiniCPM3's `logits_scaling`), which `config` does not have but holds the fields of."""
+        attribute = getattr(self.config_class, name, None)
+        return attribute.fget(config) if isinstance(attribute, property) else getattr(config, name)
 
     @property
     def norm_class(self) -> type[nn.Module]:
@@ -699,6 +720,73 @@ FAMILIES = {
             rope_switch="position_embedding_type",
             moe=Moe(router="block_sparse_moe.router"),
             **GRANITE_MULTIPLIERS,
+        ),
+        # Llama 4's attention scaling of the queries with the position (`llama_4_scaling_beta`), inside the attention.
+        Family("ministral3", "ministral3", "Ministral3"),
+        # Gemma's embedding scale, norms and soft-capping, without Gemma 2's norms after the branches.
+        Family(
+            "vaultgemma",
+            "vaultgemma",
+            "VaultGemma",
+            (PRE_NORM[0], Sublayer("mlp", "pre_feedforward_layernorm", call=FEED_FORWARD)),
+            logit_softcap="final_logit_softcapping",
+            **GEMMA,
+        ),
+        # A routing bias balances the experts beside a shared one, in every layer.
+        Family("solar_open", "solar_open", "SolarOpen", moe=NO_LOAD_BALANCING_LOSS),
+        Family("youtu", "youtu", "Youtu"),  # multi-head latent attention in a dense decoder
+        Family("jais2", "jais2", "Jais2", norm=LAYER_NORM, norm_eps="layer_norm_eps", llama_norm=False),
+        # Weightless norms, the final one applied to the embeddings too; relu^2 MLP, soft-capped logits.
+        Family(
+            "nanochat",
+            "nanochat",
+            "NanoChat",
+            llama_norm=False,
+            embedding_norm=True,
+            logit_softcap="final_logit_softcapping",
+            parts=OWN_EMBEDDING_AND_NORM,
+        ),
+        # LayerNorms with a gain of 1 + w, partial rotary.
+        Family("nemotron", "nemotron", "Nemotron", norm="LayerNorm1P", norm_eps="norm_eps", llama_norm=False),
+        # LayerNorms without weights, at torch's default eps.
+        Family("olmo", "olmo", "Olmo", norm="LayerNorm", norm_eps=None, llama_norm=False, parts=OWN_EMBEDDING_AND_NORM),
+        # StableLM's layout (LayerNorms, q/k LayerNorms, partial rotary, a dropout after the MLP); the final norm is its
+        # model's `final_layernorm`.
+        Family(
+            "persimmon",
+            "persimmon",
+            "Persimmon",
+            STABLELM_DROPOUT,
+            norm=LAYER_NORM,
+            norm_eps="layer_norm_eps",
+            llama_norm=False,
+            checkpoint_renamings=((r"^model\.final_layernorm\.", "model.norm."),),
+        ),
+        # Windowed and full layers with RoPE bases per type and attention sinks, a dense first layer, then MoE
+        # balanced by a routing bias.
+        Family(
+            "mimo_v2_flash",
+            "mimo_v2_flash",
+            "MiMoV2Flash",
+            rotary_per_layer_type=True,
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
+        # GLM-4's norms after each branch, windowed and full layers, MoE with a shared expert and a routing bias.
+        Family(
+            "kolibri1",
+            "kolibri1",
+            "Kolibri1",
+            GLM4_NORMS,
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
+        # Multi-head latent attention; the embedding, each branch and the LM head's input scaled (muP).
+        Family(
+            "minicpm3",
+            "minicpm3",
+            "MiniCPM3",
+            layer_residual_scale="residual_scale",
+            head_input_divisor="logits_scaling",
+            parts=OWN_EMBEDDING_AND_NORM,
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

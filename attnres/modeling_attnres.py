@@ -147,10 +147,11 @@ def family_embeddings(
     embed_positions: nn.Module | None,
     position_ids: torch.LongTensor,
     training: bool,
+    norm: nn.Module | None,
 ) -> torch.Tensor:
     """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
     that add them (GPT-2's, OPT's), times Granite's `embedding_multiplier`, times sqrt(hidden_size) under AFMoE's
-    muP, through GPT-2's and StarCoder2's embedding dropout in training."""
+    muP, through GPT-2's and StarCoder2's embedding dropout in training, through NanoChat's final `norm`."""
     family = FAMILIES[config.family]
     if embed_positions is not None:
         inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
@@ -160,13 +161,19 @@ def family_embeddings(
         inputs_embeds = inputs_embeds * (config.hidden_size**0.5)
     if family.embedding_dropout is not None:
         inputs_embeds = nn.functional.dropout(inputs_embeds, getattr(config, family.embedding_dropout), training)
+    if family.embedding_norm:
+        inputs_embeds = norm(inputs_embeds)
     return inputs_embeds
 
 
-def family_logits(config: AttnResConfig, logits: torch.Tensor) -> torch.Tensor:
-    """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, multiplied by
-    HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping`."""
+def family_logits(config: AttnResConfig, lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input divided by
+    MiniCPM3's `logits_scaling`, the logits divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
+    soft-capped by Gemma's `final_logit_softcapping`."""
     family = FAMILIES[config.family]
+    if family.head_input_divisor is not None:
+        hidden_states = hidden_states / family.config_value(config, family.head_input_divisor)
+    logits = lm_head(hidden_states)
     if family.logits_divisor is not None:
         logits = logits / getattr(config, family.logits_divisor)
     if family.logits_multiplier is not None:
@@ -203,7 +210,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         family = FAMILIES[config.family]
-        for name, module in family.cls(family.decoder_layer)(config, layer_idx).named_children():
+        family_layer = family.cls(family.decoder_layer)(config, layer_idx)
+        for name, module in family_layer.named_children():
             self.add_module(name, module)
         self.sublayers = family.sublayers_of(config, layer_idx)
         if family.llama_norm:  # the same function, fused with the depth step in front of it
@@ -211,7 +219,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 # Only where the layer holds the family's norm: A.X K2's MoE layers gate theirs.
                 if sublayer.pre_norm is not None and type(getattr(self, sublayer.pre_norm)) is family.norm_class:
                     self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm_eps(config)))
-        self.residual_multiplier = getattr(config, family.residual_multiplier) if family.residual_multiplier else None
+        self.residual_multiplier = None
+        if family.residual_multiplier is not None:
+            self.residual_multiplier = getattr(config, family.residual_multiplier)
+        elif family.layer_residual_scale is not None:
+            self.residual_multiplier = getattr(family_layer, family.layer_residual_scale)
         # How the layer's recurrent mixer, where it has one, takes the cache and which keywords (transformers_compat).
         recurrent = [getattr(self, sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
         self.recurrent_cache_name = recurrent_cache_name(recurrent[0]) if recurrent else None
@@ -541,7 +553,9 @@ class AttnResModel(AttnResPreTrainedModel):
 
         if position_ids is None:
             position_ids = family_position_ids(self.config, inputs_embeds, attention_mask, cache)
-        inputs_embeds = family_embeddings(self.config, inputs_embeds, self.embed_positions, position_ids, self.training)
+        inputs_embeds = family_embeddings(
+            self.config, inputs_embeds, self.embed_positions, position_ids, self.training, self.norm
+        )
 
         masks = attention_mask  # `generate` may have made them, one per attention type
         if not isinstance(masks, dict):
@@ -685,7 +699,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        logits = family_logits(self.config, self.lm_head(outputs.last_hidden_state))
+        logits = family_logits(self.config, self.lm_head, outputs.last_hidden_state)
 
         loss = None
         if labels is not None:

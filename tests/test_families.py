@@ -216,7 +216,7 @@ def test_standard_mode_equals_the_family_bit_for_bit(case):
 # One case of each family.
 FAMILY_CASES = {model_type: case for case, (model_type, _) in reversed(CASES.items())}
 # The configs whose modules the rest of a family's plan names: DeepSeek's `q_proj`, where queries are not low-rank.
-PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2"), dict(q_lora_rank=None))
+PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2", "minicpm3"), dict(q_lora_rank=None))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -296,6 +296,9 @@ PER_EXPERT_FAMILIES = {
     "axk2",
     "kimi_linear",
     "lfm2_moe",
+    "solar_open",
+    "mimo_v2_flash",
+    "kolibri1",
 }
 
 
@@ -448,7 +451,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("got_ocr2", {}, "multimodal model: .* `qwen2` text decoder, which converts alone"),
         ("moss_transcribe_diarize", {}, "multimodal model: .* `qwen3` text decoder, which converts alone"),
         ("phi4_multimodal", {}, "multimodal model: .* `phi3` text decoder, which converts alone"),
-        ("fuyu", {}, "multimodal model: .* `persimmon` text decoder"),
+        ("fuyu", {}, "multimodal model: .* `persimmon` text decoder, which converts alone"),
         ("hrm_text", {}, "hierarchical recurrence"),
         ]
         if case[0] in CONFIG_MAPPING  # the model types of this Transformers (MOSS-Transcribe is newer than 5.16)

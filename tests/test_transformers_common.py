@@ -326,6 +326,18 @@ FAMILY_FIELDS = {
         mamba_d_state=16,
         mamba_chunk_size=4,
     ),
+    "solar_open": dict(n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1, **MOE),
+    # A full layer, then a windowed one with sinks; a dense MLP, then MoE.
+    "mimo_v2_flash": dict(n_routed_experts=4, v_head_dim=8, sliding_window=4, **MOE),
+    "kolibri1": dict(
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        **MOE,
+    ),
+    # Latent attention, whose keys and values have as many heads as its queries.
+    **dict.fromkeys(("youtu", "minicpm3"), MLA),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's Mamba heads divide 2 * hidden_size,

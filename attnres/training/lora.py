@@ -26,6 +26,7 @@ PROJECTION_TARGET_MODULES = (
     "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_attn", "fc1",
     "fc2", "input_linear", "output_linear", "q_gate_proj",
     "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "in_proj", "g_proj", "w1", "w2", "w3",
+    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
 )
 """The attention, token-mixer and dense-MLP projections of every family (`families.py`): Llama's names, Phi-3's fused
 `qkv_proj` and `gate_up_proj`, StarCoder2's MLP (`c_fc`, `c_proj`), GPT-2's and GPT-BigCode's fused `c_attn`, OPT's,
@@ -35,7 +36,8 @@ Qwen3-Next, its `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a` in Qwen3
 `b_proj` and its low-rank forget gate `f_a_proj`, `f_b_proj` and output gate `g_a_proj`, `g_b_proj`; LFM2's short
 convolution `in_proj`, `out_proj`, its MLP `w1`, `w2`, `w3`, and LFM3's attention gate `g_proj`; Granite 4's Mamba 2
 `in_proj`, `out_proj`), the shared MLP of Granite MoE Shared and Granite 4 (`input_linear`, `output_linear`), A.X K2's
-attention output gate (`q_gate_proj`). MoE models fuse their experts
+attention output gate (`q_gate_proj`), Persimmon's fused `query_key_value`, its `dense` output and its MLP
+(`dense_h_to_4h`, `dense_4h_to_h`). MoE models fuse their experts
 into 3-D parameters (`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and
 any dense or shared-expert MLP."""
 

@@ -264,6 +264,8 @@ class AttnResStage(nn.Module):
         if self.is_first:
             self.model.embed_tokens = backbone.embed_tokens
             self.model.embed_positions = backbone.embed_positions
+            if FAMILIES[self.config.family].embedding_norm:
+                self.model.norm = backbone.norm
         self.model.layers = nn.ModuleDict({str(i): backbone.layers[i] for i in layout.stage_layers[stage]})
         self.model.rotary_emb = backbone.rotary_emb  # buffers only: every stage may hold it
         if self.is_last:
@@ -312,7 +314,12 @@ class AttnResStage(nn.Module):
             embed_tokens = self.model.embed_tokens  # in the model's mode, where a stage is built in training mode
             position_ids = torch.arange(inputs[0].shape[1], device=inputs[0].device).unsqueeze(0)
             inputs_embeds = family_embeddings(
-                self.config, embed_tokens(inputs[0]), self.model.embed_positions, position_ids, embed_tokens.training
+                self.config,
+                embed_tokens(inputs[0]),
+                self.model.embed_positions,
+                position_ids,
+                embed_tokens.training,
+                getattr(self.model, "norm", None),
             )
             state, context = self.first_mixer.initial_state(inputs_embeds, self.depth_queries(), False)
             started_from = Held()
@@ -357,7 +364,7 @@ class AttnResStage(nn.Module):
     def output(self, state: NamedTuple, context: DepthContext, router_logits: tuple[torch.Tensor, ...]):
         """The logits, and the load-balancing loss `[1]` where the model computes one."""
         hidden_states = pre_norm(self.model.norm, self.model.output_residual(state, context))
-        logits = family_logits(self.config, self.lm_head(hidden_states))
+        logits = family_logits(self.config, self.lm_head, hidden_states)
         if not self.layout.router_layers:
             return logits
         aux_loss = FAMILIES[self.config.family].load_balancing_loss(self.config, router_logits, None)
