@@ -378,6 +378,10 @@ class AttentionBias:
         return function(attention_mask.to(inputs_embeds.device), heads, inputs_embeds.dtype)
 
 
+# The token embedding and the final norm of the family's own model, where the AttnRes model cannot build them itself:
+# OLMo's and NanoChat's norms hold no weights (OLMo's no eps field either), MiniCPM3's embedding is scaled by
+# `scale_emb`.
+OWN_EMBEDDING_AND_NORM = ModelParts(tokens="embed_tokens", positions=None, norm="norm")
 # The modules of GPT-2's model and of its descendants (GPT-Neo, GPT-BigCode), under `transformer`.
 GPT2_PARTS = ModelParts()
 GPT2_SUBLAYERS = (Sublayer("attn", "ln_1"), Sublayer("mlp", "ln_2", call=FEED_FORWARD))
@@ -426,12 +430,20 @@ class Family:
         embedding by before the first layer, rounded to it (RecurrentGemma's `normalizer`, in bf16), or `None`.
     mup_embedding_scale: the config field that, when true, has the family's model multiply the embedding by
         sqrt(hidden_size) before the first layer (AFMoE's muP input scaling, `mup_enabled`), or `None`.
+    final_norm_on_embeddings: the family's model passes the embeddings through its final norm before the first layer
+        (NanoChat, whose norms hold no weights, so that the first and last pipeline stages may both hold it).
     embedding_multiplier, residual_multiplier, logits_divisor, logits_multiplier, logit_softcap: the config fields of
         the scalars the family's model applies to the embedding, to each sublayer's output, and to the logits (divided
         by the value as Granite's, multiplied by it as HyperCLOVA X's, or soft-capped at it), or `None`.
     z_loss: the config field of the coefficient of the z-loss, the mean over positions of the squared log-sum-exp of
         the logits, that the family's `*ForCausalLM` adds to the loss where the coefficient is positive (Bamba's
         `z_loss_coefficient`), or `None`.
+    layer_residual_scale: the attribute of the family's decoder layer holding the scalar it multiplies each sublayer's
+        output by, where the layer derives it from the config (MiniCPM3's `residual_scale`, scale_depth /
+        sqrt(num_hidden_layers)), or `None`.
+    head_input_divisor: the value of the family's config that its `*ForCausalLM` divides the hidden states by before
+        its LM head (MiniCPM3's `logits_scaling`, a property of its config class: hidden_size / dim_model_base), or
+        `None`.
     rotary_per_layer_type: the rotary embedding takes a layer type (Gemma 3, OLMo 3: bases per attention type).
     rope_theta_per_layer: the config field of each layer's RoPE base, `0` for a layer without rotary embedding
         (Granite MoE SWA's `layer_rope_theta`), or `None`. The model then builds the family's rotary embedding once per
@@ -496,12 +508,15 @@ class Family:
     embedding_dropout: str | None = None
     embedding_scale_dtype: torch.dtype | None = None
     mup_embedding_scale: str | None = None
+    final_norm_on_embeddings: bool = False
     embedding_multiplier: str | None = None
     residual_multiplier: str | None = None
     logits_divisor: str | None = None
     logits_multiplier: str | None = None
     logit_softcap: str | None = None
     z_loss: str | None = None
+    layer_residual_scale: str | None = None
+    head_input_divisor: str | None = None
     rotary_per_layer_type: bool = False
     rope_theta_per_layer: str | None = None
     rope_layer_types: tuple[str, ...] | None = None
@@ -537,6 +552,12 @@ class Family:
         if suffix in ("PreTrainedModel", "ForCausalLM") and self.model_prefix is not None:
             return getattr(self.modeling, self.model_prefix + suffix)
         return getattr(self.modeling, self.prefix + suffix)
+
+    def config_value(self, config, name: str):
+        """The family's config value `name` for `config`: a field, or a property of the family's config class
+        (MiniCPM3's `logits_scaling`), which `config` does not have but holds the fields of."""
+        attribute = getattr(self.config_class, name, None)
+        return attribute.fget(config) if isinstance(attribute, property) else getattr(config, name)
 
     @property
     def norm_class(self) -> type[nn.Module]:
@@ -1080,6 +1101,10 @@ FAMILIES = {
         Family("sarvam_mla", "deepseek_v3", "DeepseekV3", moe=NO_LOAD_BALANCING_LOSS),
         # Granite MoE Shared with windowed layers among full ones, attention sinks and a RoPE base per layer (none in
         # some).
+        # Granite with windows, its RoPE base set per layer (0: NoPE), as Granite MoE SWA's.
+        Family(
+            "granite_swa", "granite_swa", "GraniteSWA", rope_theta_per_layer="layer_rope_theta", **GRANITE_MULTIPLIERS
+        ),
         Family(
             "granitemoe_swa",
             "granitemoe_swa",
@@ -1229,6 +1254,73 @@ FAMILIES = {
             cache_setup="_setup_cache",
             checkpoint_renamings=((r"^model\.final_norm\.", "model.norm."),),
             since=(5, 23),
+        ),
+        # Llama 4's attention scaling of the queries with the position (`llama_4_scaling_beta`), inside the attention.
+        Family("ministral3", "ministral3", "Ministral3"),
+        # Gemma's embedding scale, norms and soft-capping, without Gemma 2's norms after the branches.
+        Family(
+            "vaultgemma",
+            "vaultgemma",
+            "VaultGemma",
+            (PRE_NORM[0], Sublayer("mlp", "pre_feedforward_layernorm", call=FEED_FORWARD)),
+            logit_softcap="final_logit_softcapping",
+            **GEMMA,
+        ),
+        # A routing bias balances the experts beside a shared one, in every layer.
+        Family("solar_open", "solar_open", "SolarOpen", moe=NO_LOAD_BALANCING_LOSS),
+        Family("youtu", "youtu", "Youtu"),  # multi-head latent attention in a dense decoder
+        Family("jais2", "jais2", "Jais2", norm=LAYER_NORM, norm_eps="layer_norm_eps", llama_norm=False),
+        # Weightless norms, the final one applied to the embeddings too; relu^2 MLP, soft-capped logits.
+        Family(
+            "nanochat",
+            "nanochat",
+            "NanoChat",
+            llama_norm=False,
+            final_norm_on_embeddings=True,
+            logit_softcap="final_logit_softcapping",
+            parts=OWN_EMBEDDING_AND_NORM,
+        ),
+        # LayerNorms with a gain of 1 + w, partial rotary.
+        Family("nemotron", "nemotron", "Nemotron", norm="LayerNorm1P", norm_eps="norm_eps", llama_norm=False),
+        # LayerNorms without weights, at torch's default eps.
+        Family("olmo", "olmo", "Olmo", norm="LayerNorm", norm_eps=None, llama_norm=False, parts=OWN_EMBEDDING_AND_NORM),
+        # StableLM's layout (LayerNorms, q/k LayerNorms, partial rotary, a dropout after the MLP); the final norm is its
+        # model's `final_layernorm`.
+        Family(
+            "persimmon",
+            "persimmon",
+            "Persimmon",
+            STABLELM_DROPOUT,
+            norm=LAYER_NORM,
+            norm_eps="layer_norm_eps",
+            llama_norm=False,
+            checkpoint_renamings=((r"^model\.final_layernorm\.", "model.norm."),),
+        ),
+        # Windowed and full layers with RoPE bases per type and attention sinks, a dense first layer, then MoE
+        # balanced by a routing bias.
+        Family(
+            "mimo_v2_flash",
+            "mimo_v2_flash",
+            "MiMoV2Flash",
+            rotary_per_layer_type=True,
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
+        # GLM-4's norms after each branch, windowed and full layers, MoE with a shared expert and a routing bias.
+        Family(
+            "kolibri1",
+            "kolibri1",
+            "Kolibri1",
+            GLM4_NORMS,
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
+        # Multi-head latent attention; the embedding, each branch and the LM head's input scaled (muP).
+        Family(
+            "minicpm3",
+            "minicpm3",
+            "MiniCPM3",
+            layer_residual_scale="residual_scale",
+            head_input_divisor="logits_scaling",
+            parts=OWN_EMBEDDING_AND_NORM,
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

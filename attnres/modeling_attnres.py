@@ -193,12 +193,13 @@ def family_embeddings(
     embed_positions: nn.Module | None,
     position_ids: torch.LongTensor,
     training: bool,
-    embedding_norm: nn.Module | None = None,
+    embedding_norm: nn.Module | None,
+    norm: nn.Module | None,
 ) -> torch.Tensor:
     """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
-    that add them (GPT-2's, OPT's), through BLOOM's embedding norm, times Granite's `embedding_multiplier`, times
+    that add them (GPT-2's, OPT's), through BLOOM's `embedding_norm`, times Granite's `embedding_multiplier`, times
     RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's muP, through GPT-2's and
-    StarCoder2's embedding dropout in training."""
+    StarCoder2's embedding dropout in training, through NanoChat's final `norm`."""
     family = FAMILIES[config.family]
     if embed_positions is not None:
         inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
@@ -213,13 +214,19 @@ def family_embeddings(
         inputs_embeds = inputs_embeds * (config.hidden_size**0.5)
     if family.embedding_dropout is not None:
         inputs_embeds = nn.functional.dropout(inputs_embeds, getattr(config, family.embedding_dropout), training)
+    if family.final_norm_on_embeddings:
+        inputs_embeds = norm(inputs_embeds)
     return inputs_embeds
 
 
-def family_logits(config: AttnResConfig, logits: torch.Tensor) -> torch.Tensor:
-    """The logits as the family's `*ForCausalLM` returns them: divided by Granite's `logits_scaling`, multiplied by
-    HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping`."""
+def family_logits(config: AttnResConfig, lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input divided by
+    MiniCPM3's `logits_scaling`, the logits divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
+    soft-capped by Gemma's `final_logit_softcapping`."""
     family = FAMILIES[config.family]
+    if family.head_input_divisor is not None:
+        hidden_states = hidden_states / family.config_value(config, family.head_input_divisor)
+    logits = lm_head(hidden_states)
     if family.logits_divisor is not None:
         logits = logits / getattr(config, family.logits_divisor)
     if family.logits_multiplier is not None:
@@ -267,7 +274,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: AttnResConfig, layer_idx: int):
         super().__init__()
         family = FAMILIES[config.family]
-        for name, module in family.decoder_layer_of(config, layer_idx).named_children():
+        family_layer = family.decoder_layer_of(config, layer_idx)
+        for name, module in family_layer.named_children():
             self.add_module(name, module)
         self.sublayers = family.sublayers_of(config, layer_idx)
         self.summands = tuple(sublayer.summands for sublayer in self.sublayers)
@@ -276,7 +284,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 # Only where the layer holds the family's norm: A.X K2's MoE layers gate theirs.
                 if sublayer.pre_norm is not None and type(getattr(self, sublayer.pre_norm)) is family.norm_class:
                     self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm_eps(config)))
-        self.residual_multiplier = getattr(config, family.residual_multiplier) if family.residual_multiplier else None
+        self.residual_multiplier = None
+        if family.residual_multiplier is not None:
+            self.residual_multiplier = getattr(config, family.residual_multiplier)
+        elif family.layer_residual_scale is not None:
+            self.residual_multiplier = getattr(family_layer, family.layer_residual_scale)
         self.branch_dropouts = {s.dropout: getattr(config, s.dropout) for s in self.sublayers if s.dropout}
         # The scalars the family's layer applies to its modules' inputs and outputs (Falcon-H1's).
         self.multipliers = {name: getattr(config, name) for sublayer in self.sublayers for name in sublayer.multipliers}
@@ -705,7 +717,13 @@ class AttnResModel(AttnResPreTrainedModel):
         if position_ids is None:
             position_ids = family_position_ids(self.config, inputs_embeds, attention_mask, cache)
         inputs_embeds = family_embeddings(
-            self.config, inputs_embeds, self.embed_positions, position_ids, self.training, self.embedding_norm
+            self.config,
+            inputs_embeds,
+            self.embed_positions,
+            position_ids,
+            self.training,
+            self.embedding_norm,
+            self.norm,
         )
 
         masks = attention_mask  # `generate` may have made them, one per attention type
@@ -856,7 +874,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        logits = family_logits(self.config, self.lm_head(outputs.last_hidden_state))
+        logits = family_logits(self.config, self.lm_head, outputs.last_hidden_state)
 
         loss = None
         if labels is not None:

@@ -137,12 +137,13 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # its default has no layer types
     # multi-head latent attention: keys and values have as many heads as queries
     **dict.fromkeys(
-        ("glm4_moe_lite", "deepseek_v32", "axk2", "glm_moe_dsa", "bailing_hybrid"), dict(num_key_value_heads=4)
+        ("glm4_moe_lite", "deepseek_v32", "axk2", "glm_moe_dsa", "bailing_hybrid", "minicpm3"),
+        dict(num_key_value_heads=4),
     ),
     "deepseek_v2": dict(num_key_value_heads=4, num_experts_per_tok=2),  # its default leaves the top-k unset
     # the same, and its rotary embedding's size is `head_dim`, which its config derives from `qk_rope_head_dim`
     # unless it is given
-    **dict.fromkeys(("deepseek_v3", "axk1"), dict(num_key_value_heads=4, head_dim=8)),
+    **dict.fromkeys(("deepseek_v3", "axk1", "youtu"), dict(num_key_value_heads=4, head_dim=8)),
     "sarvam_mla": dict(num_key_value_heads=4),  # DeepSeek-V3's latent attention; its config derives `head_dim`
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),  # its default leaves them unset
     "gemma3n_text": dict(num_kv_shared_layers=3),  # fewer than the tiny layers, so some layers still make a cache

@@ -585,6 +585,19 @@ CASES = {
             logits_scaling=4.0,
         ),
     ),
+    # A full NoPE layer, then windowed ones with RoPE bases of their own; Granite's multipliers.
+    "granite_swa": (
+        "granite_swa",
+        dict(
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            layer_rope_theta=[0, 10000.0, 500000.0],
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),
     "mamba": ("mamba", MAMBA),
     "mamba2": ("mamba2", MAMBA2),
     "falcon_mamba": ("falcon_mamba", MAMBA),
@@ -681,6 +694,94 @@ CASES = {
             conv1d_width=3,
             attention_bias=True,
         ),
+    ),
+    # Windows, and Llama 4's query scaling, which grows past every `original_max_position_embeddings` positions.
+    "ministral3": (
+        "ministral3",
+        dict(
+            head_dim=16,
+            sliding_window=4,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1000000.0,
+                factor=32.0,
+                original_max_position_embeddings=8,
+                llama_4_scaling_beta=0.1,
+            ),
+        ),
+    ),
+    # Windowed and full layers, soft-capped attention and logits.
+    "vaultgemma": (
+        "vaultgemma",
+        dict(sliding_window=4, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, **GEMMA),
+    ),
+    # MoE in every layer with a shared expert, grouped routing with a routing bias.
+    "solar_open": (
+        "solar_open",
+        dict(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=2,
+            topk_group=1,
+            head_dim=16,
+        ),
+    ),
+    "youtu": ("youtu", dict(**MLA, num_key_value_heads=4)),
+    # LayerNorms with biases, biases in attention and MLP, relu^2.
+    "jais2": ("jais2", dict(head_dim=16, attention_bias=True, mlp_bias=True)),
+    # Weightless norms (the final one on the embeddings too), q/k norms, relu^2, soft-capped logits.
+    "nanochat": ("nanochat", dict(attention_bias=True, final_logit_softcapping=15.0)),
+    # LayerNorms with a gain of 1 + w, partial rotary, biases.
+    "nemotron": (
+        "nemotron",
+        dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True, mlp_bias=True),
+    ),
+    # Weightless LayerNorms, queries, keys and values clipped (below the tiny model's largest).
+    "olmo": ("olmo", dict(clip_qkv=0.1, attention_bias=True)),
+    # LayerNorms, q/k LayerNorms, partial rotary, a dropout after the MLP; multi-head attention.
+    "persimmon": (
+        "persimmon",
+        dict(partial_rotary_factor=0.5, qk_layernorm=True, hidden_dropout=0.1, num_key_value_heads=4),
+    ),
+    # A full layer, then windowed ones with twice its key heads and attention sinks; RoPE bases and partial rotary
+    # per type; smaller value heads; a dense first layer, then MoE with grouped routing and a routing bias.
+    "mimo_v2_flash": (
+        "mimo_v2_flash",
+        dict(
+            head_dim=16,
+            v_head_dim=8,
+            sliding_window=4,
+            rope_parameters={
+                "full_attention": dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+            },
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    # GLM-4's norms after each branch, windowed and full layers, MoE in every layer with a shared expert.
+    "kolibri1": (
+        "kolibri1",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            head_dim=16,
+        ),
+    ),
+    # Latent attention; the embedding scaled by `scale_emb`, each branch by scale_depth / sqrt(layers), the LM head's
+    # input divided by hidden_size / dim_model_base.
+    "minicpm3": (
+        "minicpm3",
+        dict(**MLA, num_key_value_heads=4, scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
     ),
 }
 # The families the installed Transformers has (InternLM3 from after 5.19).

@@ -259,7 +259,7 @@ def test_a_new_cache_resets_the_state_the_familys_modules_hold():
 # One case of each family.
 FAMILY_CASES = {model_type: case for case, (model_type, _) in reversed(CASES.items())}
 # The configs whose modules the rest of a family's plan names: DeepSeek's `q_proj`, where queries are not low-rank.
-PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2", "sarvam_mla"), dict(q_lora_rank=None))
+PLAN_VARIANTS = dict.fromkeys(("deepseek_v3", "deepseek_v2", "minicpm3", "sarvam_mla"), dict(q_lora_rank=None))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -339,6 +339,9 @@ PER_EXPERT_FAMILIES = {
     "axk2",
     "kimi_linear",
     "lfm2_moe",
+    "solar_open",
+    "mimo_v2_flash",
+    "kolibri1",
     "laguna",
     "mellum",
     "phimoe",
@@ -500,7 +503,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("got_ocr2", {}, "multimodal model: .* `qwen2` text decoder, which converts alone"),
         ("moss_transcribe_diarize", {}, "multimodal model: .* `qwen3` text decoder, which converts alone"),
         ("phi4_multimodal", {}, "multimodal model: .* `phi3` text decoder, which converts alone"),
-        ("fuyu", {}, "multimodal model: .* `persimmon` text decoder"),
+        ("fuyu", {}, "multimodal model: .* `persimmon` text decoder, which converts alone"),
         ("hrm_text", {}, "hierarchical recurrence"),
         ("inkling2_text", {}, "its own block attention residuals"),
         ("inkling2_loop_text", {}, "its own block attention residuals"),

@@ -439,6 +439,10 @@ FAMILY_FIELDS = {
         sliding_window=4,
         layer_rope_theta=[0, 10000.0],
     ),
+    # A full NoPE layer, then a windowed one with RoPE.
+    "granite_swa": dict(
+        layer_types=["full_attention", "sliding_attention"], sliding_window=4, layer_rope_theta=[0, 10000.0]
+    ),
     # Mamba 2's heads fill hidden_size * expand, in groups that divide them.
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=2, chunk_size=4),
     # Each layer type once: Mamba 2, an MoE, attention, an MLP (Nemotron-H).
@@ -470,6 +474,18 @@ FAMILY_FIELDS = {
     "falcon_h1": dict(mamba_d_ssm=None, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=4),
     # A recurrent block, then windowed attention (RecurrentGemma).
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=4),
+    "solar_open": dict(n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1, **MOE),
+    # A full layer, then a windowed one with sinks; a dense MLP, then MoE.
+    "mimo_v2_flash": dict(n_routed_experts=4, v_head_dim=8, sliding_window=4, **MOE),
+    "kolibri1": dict(
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        **MOE,
+    ),
+    # Latent attention, whose keys and values have as many heads as its queries.
+    **dict.fromkeys(("youtu", "minicpm3"), MLA),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's and Bamba's Mamba heads divide

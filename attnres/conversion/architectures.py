@@ -245,10 +245,7 @@ REFUSED_MODEL_TYPES = {
         "image and audio embedders in its embedding layer", "phi3", "Phi3ForCausalLM"
     ),
     # `FuyuModel` projects image patches (`vision_embed_tokens`) into the embeddings of its `text_config` model.
-    "fuyu": (
-        "a multimodal model: image patches projected straight into the embeddings of a `persimmon` text decoder, "
-        "which the family table does not hold yet"
-    ),
+    "fuyu": _multimodal("a projection of image patches into its embeddings", "persimmon", "PersimmonForCausalLM"),
 }
 # Config fields that are not part of a family's model: `AttnResConfig` sets its own.
 _NOT_COPIED = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")

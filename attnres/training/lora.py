@@ -38,9 +38,9 @@ convolution `in_proj`, `out_proj`, its MLP `w1`, `w2`, `w3`, and LFM3's attentio
 `in_proj`, `out_proj` (Granite 4, Bamba, Falcon-H1) and Jamba's `x_proj`, whose time-step projection `dt_proj` it
 multiplies by its weight, which an adapter would not reach; RecurrentGemma's recurrent block `linear_x`, `linear_y`,
 `linear_out`), the shared MLP of Granite MoE Shared and Granite 4 (`input_linear`, `output_linear`), A.X K2's
-attention output gate (`q_gate_proj`), MPT's fused `Wqkv` (with `out_proj`, `up_proj`, `down_proj`), BLOOM's and
-GPT-NeoX Japanese's fused `query_key_value`, `dense`, `dense_h_to_4h` and `dense_4h_to_h`. MoE models fuse their experts
-into 3-D parameters (`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and
+attention output gate (`q_gate_proj`), MPT's fused `Wqkv` (with `out_proj`, `up_proj`, `down_proj`), BLOOM's,
+GPT-NeoX Japanese's and Persimmon's fused `query_key_value`, `dense`, `dense_h_to_4h` and `dense_4h_to_h`. MoE models
+fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and
 any dense or shared-expert MLP."""
 
 

@@ -275,6 +275,8 @@ class AttnResStage(nn.Module):
             self.model.embed_tokens = backbone.embed_tokens
             self.model.embed_positions = backbone.embed_positions
             self.model.embedding_norm = backbone.embedding_norm
+            if FAMILIES[self.config.family].final_norm_on_embeddings:
+                self.model.norm = backbone.norm
         self.model.layers = nn.ModuleDict({str(i): backbone.layers[i] for i in layout.stage_layers[stage]})
         self.model.rotary_emb = backbone.rotary_emb  # buffers only: every stage may hold it
         if self.is_last:
@@ -329,6 +331,7 @@ class AttnResStage(nn.Module):
                 position_ids,
                 embed_tokens.training,
                 self.model.embedding_norm,
+                getattr(self.model, "norm", None),
             )
             state, context = self.first_mixer.initial_state(inputs_embeds, self.depth_queries(), False)
             started_from = Held()
@@ -378,7 +381,7 @@ class AttnResStage(nn.Module):
     def output(self, state: NamedTuple, context: DepthContext, router_logits: tuple[torch.Tensor, ...]):
         """The logits, and the load-balancing loss `[1]` where the model computes one."""
         hidden_states = pre_norm(self.model.norm, self.model.output_residual(state, context))
-        logits = family_logits(self.config, self.lm_head(hidden_states))
+        logits = family_logits(self.config, self.lm_head, hidden_states)
         if not self.layout.router_layers:
             return logits
         aux_loss = FAMILIES[self.config.family].load_balancing_loss(self.config, router_logits, None)
