@@ -413,8 +413,9 @@ class Family:
         mixer the family's decoder layer builds for that type (attention, a linear attention, a short convolution) and
         the MLP, or the one mixer a layer of that type has (Nemotron-H's Mamba 2, attention, MLP or MoE).
     recorded_attention: the suffix of the family's attention class, where its attention module's name is also that
-        of modules that are no attention (Nemotron-H's `mixer`): its attention weights are recorded by that class
-        (`output_attentions`), as by their module's name in the other families.
+        of modules that are no attention (Nemotron-H's `mixer`, GPT-Neo's inner `attention` for GPT-NeoX Japanese's):
+        its attention weights are recorded by that class (`output_attentions`), as by their module's name in the other
+        families.
     norm, norm_eps: the family's norm, the class `<prefix><norm>` or torch's `nn.LayerNorm` (`LAYER_NORM`), and the
         config field of its eps, or `None` where the family's LayerNorms take torch's default (OPT). The model builds
         its final norm of that class (unless `parts` names the family's own); the depth steps' key norms take the eps
@@ -825,6 +826,8 @@ GPT_NEOX_JAPANESE = dict(
     norm_eps="layer_norm_eps",
     llama_norm=False,
     decoder_layer="Layer",
+    # by class: its module name, `attention`, is also that of GPT-Neo's inner attention, which would be counted twice
+    recorded_attention="Attention",
     parts=ModelParts("Model", "embed_in", None, "final_layer_norm"),
     checkpoint_renamings=(
         (r"^(gpt_neox_japanese\.)?embed_in\.", "model.embed_tokens."),
