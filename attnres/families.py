@@ -642,6 +642,13 @@ class Family:
             return self.sublayers
         return self.layer_sublayers[config.layer_types[layer_idx]]
 
+    @property
+    def threads_attention_state(self) -> bool:
+        """The family's attention passes state from layer to layer beside the residual stream (`Sublayer.threaded`,
+        `Sublayer.shared`: GLM-5, Kolibri 1.1)."""
+        layers = (self.layer_sublayers or {None: self.sublayers}).values()
+        return any(sublayer.threaded or sublayer.shared for sublayers in layers for sublayer in sublayers)
+
     def layer_offsets(self, config) -> tuple[int, ...]:
         """Where each decoder layer's sublayers sit among the model's L (docs/design.md §1): entry i is the number of
         sublayers in layers 0 .. i - 1, so layer i holds positions `offsets[i] + 1 .. offsets[i + 1]`, and the last

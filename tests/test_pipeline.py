@@ -116,7 +116,21 @@ def test_transformers_own_pipeline_parallelism_is_refused_in_one_line(tmp_path, 
         AutoModelForCausalLM.from_pretrained(tmp_path, distributed_config=distributed_config)
 
 
-@pytest.mark.parametrize("case", list(FAMILY_CASES))
+# GLM-5 and Kolibri 1.1 pass their attention's state from layer to layer, which stages do not carry: refused below.
+STATE_THREADING_CASES = [
+    case for case, (model_type, _) in FAMILY_CASES.items() if FAMILIES[model_type].threads_attention_state
+]
+
+
+@pytest.mark.parametrize("case", STATE_THREADING_CASES)
+def test_a_family_threading_attention_state_is_refused_in_one_line(case):
+    model_type, _ = FAMILY_CASES[case]
+    config = attnres_config(source_model(case).config, mode="block", block_size=3, exact_retrofit=False)
+    with pytest.raises(ValueError, match=rf"^family={model_type!r}: its attention passes state .* do not carry"):
+        PipelineLayout.of(AttnResForCausalLM(config), num_ranks=2)
+
+
+@pytest.mark.parametrize("case", [case for case in FAMILY_CASES if case not in STATE_THREADING_CASES])
 @pytest.mark.parametrize("cached", [False, True], ids=["naive", "cached"])
 def test_every_family_splits_into_stages_that_compute_the_model(case, cached):
     """In one process, the stages of every decoder family chained in order (2 ranks x 2 stages of one layer, blocks

@@ -95,7 +95,8 @@ class PipelineLayout(NamedTuple):
 
         Raises:
             ValueError: a residual mode other than standard, Block or Full AttnRes (or an ablation of it), tied input
-                and output embeddings, fewer than 2 ranks, or more stages than decoder layers.
+                and output embeddings, a family whose attention threads state between layers, fewer than 2 ranks, or
+                more stages than decoder layers.
         """
         config = model.config
         if config.residual_mode not in RESIDUAL_MODES or config.depth_ablation is not None:
@@ -107,6 +108,13 @@ class PipelineLayout(NamedTuple):
             raise ValueError(
                 "tie_word_embeddings=True: the first stage's embedding and the last stage's LM head would be one "
                 "weight on two ranks; pipeline stages split untied models only"
+            )
+        family = FAMILIES[config.family]
+        if family.threads_attention_state:
+            raise ValueError(
+                f"family={config.family!r}: its attention passes state from each layer to the next beside the residual "
+                "stream (GLM-5's top-k indices, Kolibri 1.1's key pool), which pipeline stages do not carry across "
+                "their boundaries; pipeline stages split the other families"
             )
         if num_ranks < 2:
             raise ValueError(f"num_ranks={num_ranks}: a pipeline needs at least 2 ranks")
