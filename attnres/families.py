@@ -857,6 +857,9 @@ MAMBA = dict(
         (r"^(backbone\.)?layers\.", "model.layers."),
         (r"^(backbone\.)?norm_f\.", "model.norm."),
     ),
+    # Tested on 5.25; on 5.16 a cache of Mamba layers alone cannot count the positions it holds (`get_seq_length`
+    # asks for an attention layer), and Nemotron-H's norms are Llama's.
+    since=(5, 25),
 )
 # DeepSeek-V3, GLM-4.5: a routing bias balances the experts, and their `*ForCausalLM` adds no loss.
 NO_LOAD_BALANCING_LOSS = Moe(load_balancing_loss=False)
