@@ -339,6 +339,7 @@ PER_EXPERT_FAMILIES = {
     "axk2",
     "kimi_linear",
     "lfm2_moe",
+    "nemotron_h",
     "solar_open",
     "mimo_v2_flash",
     "kolibri1",
