@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import (
     AutoModelForCausalLM,
+    CTRLConfig,
+    CTRLLMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -31,8 +33,6 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
-    MptConfig,
-    MptForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     PreTrainedTokenizerFast,
@@ -235,10 +235,11 @@ def test_exact_retrofit_closes_the_eps_gap(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    MptForCausalLM(MptConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=50)).save_pretrained(tmp_path / "mpt")
+    source = CTRLLMHeadModel(CTRLConfig(n_layer=1, n_embd=16, n_head=2, dff=32, vocab_size=50))
+    source.save_pretrained(tmp_path / "ctrl")
     with pytest.raises(ConversionError) as error:
-        convert(tmp_path / "mpt", tmp_path / "out", progress=False)
-    assert "MptForCausalLM" in str(error.value)
+        convert(tmp_path / "ctrl", tmp_path / "out", progress=False)
+    assert "CTRLLMHeadModel" in str(error.value)
     assert "LlamaForCausalLM" in str(error.value) and "MixtralForCausalLM" in str(error.value)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
