@@ -73,6 +73,9 @@ class Sublayer:
         forward pass and gives the attention `module` of every layer (Kolibri 1.1's `shared_kv_states`, a
         `KVSharingDict` where the layers that store their keys and values leave them for those that reuse them), or
         `None`.
+    input_argument: the keyword by which the attention `module` takes its input, as the family's layer passes it;
+        `None` where it passes the input by position (RecurrentGemma's temporal blocks, whose recurrent and attention
+        blocks name it differently).
     """
 
     module: str
@@ -89,6 +92,7 @@ class Sublayer:
     dropout: str | None = None
     threaded: str | None = None
     shared: tuple[str, str] | None = None
+    input_argument: str | None = "hidden_states"
 
     @property
     def summands(self) -> tuple["Sublayer", ...]:
@@ -223,7 +227,10 @@ FALCON_H1_LAYER = {
 # (RecurrentGemma).
 GRIFFIN = dict.fromkeys(
     ("linear_attention", "sliding_attention"),
-    (Sublayer("temporal_block", "temporal_pre_norm"), Sublayer("mlp_block", "channel_pre_norm", call=FEED_FORWARD)),
+    (
+        Sublayer("temporal_block", "temporal_pre_norm", input_argument=None),
+        Sublayer("mlp_block", "channel_pre_norm", call=FEED_FORWARD),
+    ),
 )
 # A linear attention between attention layers, both built under `self_attn` (Kimi Linear's Kimi Delta Attention between
 # latent-attention layers, Bailing's Lightning-style linear attention between its attention layers).
@@ -699,6 +706,8 @@ class Family:
         config.num_hidden_layers = 0
         # The AttnRes model's experts implementation is for its layers' experts; this model has none to set it for.
         config._experts_implementation = None
+        # Nor layers to checkpoint, which a config's legacy `gradient_checkpointing=True` has its `post_init` look for.
+        config.gradient_checkpointing = False
         return self.cls(self.parts.model)(config)
 
     def output_vocab_size(self, config) -> int:
@@ -1354,9 +1363,11 @@ def norm_eps(config) -> float:
 
 def layer_types(config) -> list[str]:
     """Each decoder layer's attention type, as the family's model picks its mask: the config's `layer_types` where the
-    family has them, else every layer windowed when the config sets a window (Mistral, Mixtral, Phi-3), else none."""
+    family has them, else every layer windowed when the config sets a window (Mistral, Mixtral, Phi-3), else none.
+    None at all where the config cannot count its layers yet: an AttnRes config checking its given fields before its
+    family's config has derived the others (Nemotron-H's `num_hidden_layers`, from its layer pattern)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
     kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
-    return [kind] * config.num_hidden_layers
+    return [kind] * (getattr(config, "num_hidden_layers", None) or 0)

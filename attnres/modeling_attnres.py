@@ -50,6 +50,7 @@ from .families import (
 )
 from .transformers_compat import (
     CACHE_NAME,
+    accepts_cache_params,
     accepts_past_key_values,
     keywords_taken,
     output_cache,
@@ -462,9 +463,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             if keyword not in threaded:
                 threaded[keyword] = shared()
             kwargs = dict(kwargs, **{keyword: threaded[keyword]})
-        # The input positionally: RecurrentGemma's recurrent blocks, called as its attention is, name it otherwise.
+        inputs = (hidden_states,)
+        if sublayer.input_argument is not None:
+            inputs, kwargs = (), dict(kwargs, **{sublayer.input_argument: hidden_states})
         outputs = module(
-            hidden_states,
+            *inputs,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{sublayer.cache_argument or CACHE_NAME: cache},
@@ -828,6 +831,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         bias = self.family.lm_head_bias is not None and getattr(config, self.family.lm_head_bias)
         self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=bias)
+        if not self.family.causal_lm_class._tied_weights_keys:
+            # The head is its own wherever the family's causal LM ties none to the embedding (Nemotron-H, Kimi Linear),
+            # whatever `tie_word_embeddings` says, as there.
+            self._tied_weights_keys = {}
         self.post_init()
         if not self.family.causal_lm_class._tp_plan:
             # The head stays whole where the family's own causal LM has no plan (GPT-2, StableLM): sharding it alone
@@ -912,6 +919,8 @@ class AttnResForSequenceClassification(GenericForSequenceClassification, AttnRes
         self.model = AttnResModel(config)
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
+
+    forward = accepts_cache_params(GenericForSequenceClassification.forward)
 
 
 AttnResModel.register_for_auto_class("AutoModel")

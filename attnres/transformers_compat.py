@@ -43,9 +43,10 @@ def keywords_taken(forward: Callable) -> frozenset[str] | None:
 
 def accepts_past_key_values(forward: Callable) -> Callable:
     """Let `forward(cache=...)` also take the cache as `past_key_values`, as Llama does: deprecated (with Llama's
-    warning) from Transformers 5.20, and before it the name that `generate` itself passes, taken silently."""
+    warning) from Transformers 5.20, and before it the name that `generate` itself passes, taken silently. From 5.20
+    it takes `cache_params` too (`accepts_cache_params`)."""
     if CACHE_NAME == "cache":
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+        return accepts_cache_params(deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward))
 
     @functools.wraps(forward)
     def renamed(*args, **kwargs):
@@ -61,6 +62,14 @@ def accepts_past_key_values(forward: Callable) -> Callable:
         return forward(*args, **kwargs)
 
     return renamed
+
+
+def accepts_cache_params(forward: Callable) -> Callable:
+    """From Transformers 5.20, let `forward(cache=...)` also take the cache as `cache_params`, deprecated, as the
+    families of recurrent layers alone take it (Mamba 2); before 5.20, `forward` unchanged."""
+    if CACHE_NAME == "cache":
+        return deprecate_kwarg("cache_params", "5.40.0", new_name="cache")(forward)
+    return forward
 
 
 def output_with_cache(output_class: type, cache, **fields):

@@ -241,6 +241,24 @@ def test_standard_mode_equals_the_family_bit_for_bit(case):
             assert actual.aux_loss is None and expected.aux_loss is None
 
 
+@pytest.mark.parametrize("case", [case for case in ("llama", "nemotron_h", "kimi_linear") if case in CASES])
+def test_the_head_is_tied_to_the_embedding_exactly_where_the_familys_is(case):
+    """Nemotron-H's and Kimi Linear's causal LMs declare no tied weights, so their heads stay their own under
+    `tie_word_embeddings=True`; so does the AttnRes model's, which computes the family's logits."""
+    source = source_model(case, tie_word_embeddings=True)
+    config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
+    model = AttnResForCausalLM(config).eval()
+    model.load_state_dict(family_state_dict(source, config))
+
+    def tied(model: nn.Module) -> bool:
+        return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+    assert tied(model) == tied(source) == (case == "llama")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=mask).logits, source(ids, attention_mask=mask).logits)
+
+
 @pytest.mark.skipif("recurrent_gemma" not in FAMILIES, reason="RecurrentGemma's row is newer than this Transformers")
 def test_a_new_cache_resets_the_state_the_familys_modules_hold():
     """RecurrentGemma's recurrent blocks hold their convolution and recurrence states themselves, which its model

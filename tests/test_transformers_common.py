@@ -140,7 +140,7 @@ def skipping(cls: type, prefixes: tuple[str, ...], reason: str) -> type:
 # Common tests that the family's own model fails the same way in this Transformers, where its own test class does not
 # run them on it (Llama 4's tests run its multimodal model alone; HunYuan's and LFM2-MoE's declare no fp32 modules, so
 # the test skips there; DeepSeek-V2's and Phi-3.5-MoE's replace the tests; RecurrentGemma's model returns no cache, so
-# the test skips).
+# the test skips; Nemotron-H's skips the layer count, as its tester needs a layer of each of its three kinds).
 FAMILY_OWN_FAILURES = {
     "llama4_text": {
         "test_model_rope_scaling_frequencies": (
@@ -175,6 +175,9 @@ FAMILY_OWN_FAILURES = {
             "RecurrentGemma's recurrent blocks hold their states themselves, so its cache's length, which its first, "
             "recurrent layer gives, stays 0 (its own model returns no cache, so the test skips there)"
         ),
+    },
+    "nemotron_h": {
+        "test_num_layers_is_small": "NemotronH needs at least 3 layers to test (mamba, moe, attention) (its own skip)",
     },
     "lfm2_moe": {
         "test_keep_in_fp32_modules": (
@@ -497,6 +500,8 @@ CONFIG_TESTER_FIELDS = {
     # Experts and top-k that dots1's and DeepSeek-V2's defaults leave unset, which AttnResConfig requires.
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),
     "deepseek_v2": dict(num_experts_per_tok=2),
+    # Kolibri 1.1's indexer heads, at most the query heads of a key head (2 in the shape above; its default is 12).
+    "kolibri1_1": dict(index_num_heads=2),
 }
 
 
