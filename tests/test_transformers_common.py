@@ -138,9 +138,10 @@ def skipping(cls: type, prefixes: tuple[str, ...], reason: str) -> type:
 
 
 # Common tests that the family's own model fails the same way in this Transformers, where its own test class does not
-# run them on it (Llama 4's tests run its multimodal model alone; HunYuan's and LFM2-MoE's declare no fp32 modules, so
-# the test skips there; DeepSeek-V2's and Phi-3.5-MoE's replace the tests; RecurrentGemma's model returns no cache, so
-# the test skips; Nemotron-H's skips the layer count, as its tester needs a layer of each of its three kinds).
+# run them on it (Llama 4's tests run its multimodal model alone; HunYuan's, LFM2-MoE's and OLMo Hybrid's declare no
+# fp32 modules, so the test skips there; DeepSeek-V2's and Phi-3.5-MoE's replace the tests; RecurrentGemma's model
+# returns no cache, so the test skips; Nemotron-H's skips the layer count, as its tester needs a layer of each of its
+# three kinds).
 FAMILY_OWN_FAILURES = {
     "llama4_text": {
         "test_model_rope_scaling_frequencies": (
@@ -179,6 +180,12 @@ FAMILY_OWN_FAILURES = {
     "nemotron_h": {
         "test_num_layers_is_small": "NemotronH needs at least 3 layers to test (mamba, moe, attention) (its own skip)",
     },
+    "olmo_hybrid": {
+        "test_keep_in_fp32_modules": (
+            "OLMo Hybrid's Gated DeltaNet builds its A_log in fp32 whatever the dtype, which its model class does not "
+            "declare (its own test skips this test: the class lists no fp32 modules)"
+        ),
+    },
     "lfm2_moe": {
         "test_keep_in_fp32_modules": (
             "LFM2-MoE's routing bias is a buffer built in fp32 whatever the dtype, which its model class does not "
@@ -188,12 +195,13 @@ FAMILY_OWN_FAILURES = {
 }
 
 
-# Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's and GLM-5's sparse attention picks its
-# keys with an indexer whose top-k passes no gradient to the indexer's weights; the Mamba families have no attention.
+# Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's, GLM-5's and MiniMax-M3's sparse
+# attention picks its keys with an indexer whose top-k passes no gradient to the indexer's weights (the family's own
+# model leaves them without one too); the Mamba families have no attention.
 FAMILY_TEST_ATTRIBUTES = {
-    "deepseek_v32": dict(test_all_params_have_gradient=False),
-    "axk2": dict(test_all_params_have_gradient=False),
-    "glm_moe_dsa": dict(test_all_params_have_gradient=False),
+    **dict.fromkeys(
+        ("deepseek_v32", "axk2", "glm_moe_dsa", "minimax_m3_vl_text"), dict(test_all_params_have_gradient=False)
+    ),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), dict(has_attentions=False)),
 }
 
@@ -366,7 +374,14 @@ FAMILY_FIELDS = {
         sliding_window=4,
         **MOE,
     ),
-    "mellum": dict(num_experts=4, layer_types=["sliding_attention", "full_attention"], sliding_window=4, **MOE),
+    # A dense first layer, as in its checkpoints, whose MLP the tensor-parallel plan names.
+    "mellum": dict(
+        num_experts=4,
+        layer_types=["sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        sliding_window=4,
+        **MOE,
+    ),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "minicpm5_moe": dict(n_routed_experts=4, n_shared_experts=1, mlp_layer_types=["dense", "sparse"], **MOE),
     # A full layer, then a sparse one whose indexer keeps 2 blocks of 2 keys; a dense first layer; partial RoPE.
