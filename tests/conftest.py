@@ -25,8 +25,11 @@ from attnres import AttnResConfig  # noqa: E402  (after the modules cache is set
 
 
 # One thread per worker: two workers on two cores, each with torch's default of a thread per core, oversubscribe them;
-# the tiny models of the tests then run about twice as slowly as in one process (measured on the common tests).
+# the tiny models of the tests then run about twice as slowly as in one process (measured on the common tests). The
+# processes a test starts inherit it: they too run beside the other worker, and where a test compares their logits
+# with its own bit for bit (remote code), both must sum in the same order, on as many threads.
 if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 
