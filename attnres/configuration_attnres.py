@@ -460,16 +460,24 @@ _SHARED_FIELDS = frozenset(field.name for field in dataclasses.fields(PreTrained
 _FAMILY_BUILT = "_family_fields_derived"
 
 
-@functools.cache
+# Each family config class's properties (`_properties`), by class.
+_PROPERTIES: dict[type[PreTrainedConfig], dict[str, property]] = {}
+
+
 def _properties(config_class: type[PreTrainedConfig]) -> dict[str, property]:
-    """The properties a family's config class defines beside `PreTrainedConfig`'s (Mamba's `layer_types`)."""
-    found = {}
-    for klass in config_class.__mro__:
-        if issubclass(klass, PreTrainedConfig) and klass is not PreTrainedConfig:
-            for name, value in vars(klass).items():
-                if isinstance(value, property):
-                    found.setdefault(name, value)
-    return found
+    """The properties a family's config class defines beside `PreTrainedConfig`'s (Mamba's `layer_types`). Kept in
+    a plain dict, not a `functools.cache`: a compiled forward that reads a config attribute the config lacks calls
+    `__getattr__` and so this, and torch.compile reads a dict where it would trace the cached function into the class
+    dictionaries, which it refuses (a graph break, fatal under `fullgraph=True`)."""
+    if config_class not in _PROPERTIES:
+        found = {}
+        for klass in config_class.__mro__:
+            if issubclass(klass, PreTrainedConfig) and klass is not PreTrainedConfig:
+                for name, value in vars(klass).items():
+                    if isinstance(value, property):
+                        found.setdefault(name, value)
+        _PROPERTIES[config_class] = found
+    return _PROPERTIES[config_class]
 
 
 def _is_int(value: object) -> bool:
