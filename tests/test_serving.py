@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 from conftest import free_port, wait_until_healthy
-from test_transformers_integration import generate_batch_equals_generate
+from test_transformers_integration import CACHE_PAGES, generate_batch_equals_generate
 
 
 QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France?", "Name three colours."]
@@ -44,6 +44,8 @@ def test_continuous_batching_equals_generate_on_converted_smollm2(model_and_toke
 def start_server(checkpoint: Path, port: int, options: tuple[str, ...]) -> subprocess.Popen:
     command = [sys.executable, "-m", "attnres_cli", "serve", str(checkpoint), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", *options]
+    if "--continuous-batching" in options:  # a bounded paged cache, as `generate_batch_equals_generate` gives it
+        command += ["--cb-num-blocks", str(CACHE_PAGES)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_until_healthy(server, port, 180, lambda: server.stdout.read())
     return server

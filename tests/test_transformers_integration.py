@@ -119,10 +119,18 @@ def test_registered_attention_function_is_called_by_every_layer(tmp_path, mode):
 # ------------------------------------------------------------------------------------ continuous batching
 
 
+CACHE_PAGES = 16  # the continuous-batching tests' paged cache, in pages of 256 tokens (`generate_batch_equals_generate`)
+
+
 def generate_batch_equals_generate(model: AttnResForCausalLM, prompts: list[list[int]], max_new_tokens: int) -> None:
     """`generate_batch` (paged attention, the prompts packed into one batch) against `generate`, prompt by prompt."""
+    from transformers import ContinuousBatchingConfig  # Transformers >= 5.20
+
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    results = model.generate_batch(prompts, generation_config=config)
+    # A paged cache of `CACHE_PAGES` pages: left to size itself, it takes 60% of the memory free on a CPU, which a test
+    # cannot take while another worker's runs beside it.
+    paged = ContinuousBatchingConfig(num_blocks=CACHE_PAGES)
+    results = model.generate_batch(prompts, generation_config=config, continuous_batching_config=paged)
     by_prompt = {tuple(result.prompt_ids): result.generated_tokens for result in results.values()}
     assert len(by_prompt) == len(prompts)
     for prompt in prompts:
