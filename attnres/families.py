@@ -1364,8 +1364,8 @@ def norm_eps(config) -> float:
 def layer_types(config) -> list[str]:
     """Each decoder layer's attention type, as the family's model picks its mask: the config's `layer_types` where the
     family has them, else every layer windowed when the config sets a window (Mistral, Mixtral, Phi-3), else none.
-    None at all where the config cannot count its layers yet: an AttnRes config checking its given fields before its
-    family's config has derived the others (Nemotron-H's `num_hidden_layers`, from its layer pattern)."""
+    An empty list where the config cannot count its layers yet: an AttnRes config checking its given fields before
+    its family's config has derived the others (Nemotron-H's `num_hidden_layers`, from its layer pattern)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)

@@ -463,11 +463,11 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             if keyword not in threaded:
                 threaded[keyword] = shared()
             kwargs = dict(kwargs, **{keyword: threaded[keyword]})
-        inputs = (hidden_states,)
-        if sublayer.input_argument is not None:
-            inputs, kwargs = (), dict(kwargs, **{sublayer.input_argument: hidden_states})
+        # The input under the keyword the family's layer passes it by, or by position (RecurrentGemma's).
+        named_input = {sublayer.input_argument: hidden_states} if sublayer.input_argument else {}
         outputs = module(
-            *inputs,
+            *(() if named_input else (hidden_states,)),
+            **named_input,
             attention_mask=attention_mask,
             position_ids=position_ids,
             **{sublayer.cache_argument or CACHE_NAME: cache},

@@ -38,7 +38,7 @@ from transformers.pytorch_utils import Conv1D
 
 from attnres import AttnResConfig, AttnResForCausalLM
 from attnres_cli import main
-from attnres.conversion import ConversionError, convert
+from attnres.conversion import ConversionError, ConversionReport, convert
 from attnres.conversion.architectures import REFUSED_MODEL_TYPES, attnres_config
 from attnres.conversion.sources import causal_lm_class
 from attnres.families import FAMILIES
@@ -314,7 +314,7 @@ class Conversions:
     def __init__(self, root: Path):
         self.root = root
 
-    def __getitem__(self, key: tuple[str, str]) -> tuple[Path, Path, object]:
+    def __getitem__(self, key: tuple[str, str]) -> tuple[Path, Path, ConversionReport]:
         case, mode = key
         folder = self.root / case
         folder.mkdir(parents=True, exist_ok=True)
