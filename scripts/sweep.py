@@ -27,6 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as transformers_logging
 
 from attnres.conversion import ConversionError, convert
+from attnres.conversion.architectures import source_architecture
 from attnres.conversion.sources import causal_lm_class
 
 
@@ -149,6 +150,24 @@ OVERRIDES: dict[str, dict] = {
     "gemma3n_text": dict(num_kv_shared_layers=3),  # fewer than the tiny layers, so some layers still make a cache
     # its default has no RoPE parameters, which its attention reads per layer type
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # latent attention in every layer, its windowed layers' shape given per layer (`per_layer_config`, which the
+    # generic shrinking leaves as it is)
+    "dots3_note_text": dict(
+        num_key_value_heads=4,
+        index_head_dim=16,
+        per_layer_config={
+            "2": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, head_dim=16,
+                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
+        },
+    ),
+}
+
+# Per-type fields without which the default config itself is invalid.
+DEFAULT_FIELDS: dict[str, dict] = {
+    # the drafter's text config must have no per-layer inputs and no MoE block, which Gemma 4's text defaults have
+    "gemma4_assistant": dict(
+        text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False)
+    ),
 }
 
 
@@ -234,7 +253,7 @@ def tiny_config(model_type: str) -> PreTrainedConfig:
     Transformers' own config class, by name: a package imported on the way (FLA registers a `bitnet` of its own)
     may have replaced the one `AutoConfig` maps the type to."""
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
-    fields = tiny_fields(config_class().to_dict(), {})
+    fields = tiny_fields(config_class(**DEFAULT_FIELDS.get(model_type, {})).to_dict(), {})
     fields.update(OVERRIDES.get(model_type, {}))
     for name in ("model_type", "transformers_version", "architectures"):
         fields.pop(name, None)
@@ -291,7 +310,10 @@ def sweep_one(model_type: str, root: Path) -> SweepResult:
     try:
         architecture = build_source(model_type, source)
     except Exception as error:  # any failure to build is data for the table, not a crash of the sweep
-        return SweepResult(model_type, architecture, "", NOT_BUILDABLE, one_line(error))
+        # A model that cannot be built here (an extra package, a default its modeling code cannot read) may still be
+        # refused from its config alone, as `convert` refuses before it reads any weight.
+        not_buildable = SweepResult(model_type, architecture, "", NOT_BUILDABLE, one_line(error))
+        return config_refusal(model_type, architecture) or not_buildable
     differences = []
     for mode in MODES:
         destination = root / model_type / mode
@@ -299,16 +321,35 @@ def sweep_one(model_type: str, root: Path) -> SweepResult:
             convert(source, destination, mode=mode, verify=False, progress=False)
             differences.append(max_abs_logit_diff(source, destination))
         except ConversionError as error:
-            message = str(error)
-            if "has no row" in message:
-                return SweepResult(model_type, architecture, "not classified", NOT_COVERED, message.split(":")[0])
-            return SweepResult(model_type, architecture, structure_of(message), REFUSED, message)
+            return refused(model_type, architecture, error)
         except Exception as error:
             return SweepResult(model_type, architecture, "", FAILS, f"{mode}: {one_line(error)}")
     difference = max(differences)
     if difference > MAX_ABS_LOGIT_DIFF:
         return SweepResult(model_type, architecture, "residual sum", FAILS, f"max |dlogit| {difference:.1e} > 1e-4")
     return SweepResult(model_type, architecture, "residual sum", CONVERTS, max_abs_logit_diff=difference)
+
+
+def refused(model_type: str, architecture: str, error: ConversionError) -> SweepResult:
+    """The row of a model type that `convert` refused: by its structure, or for having no row in the table."""
+    message = str(error)
+    if "has no row" in message:
+        return SweepResult(model_type, architecture, "not classified", NOT_COVERED, message.split(":")[0])
+    return SweepResult(model_type, architecture, structure_of(message), REFUSED, message)
+
+
+def config_refusal(model_type: str, architecture: str) -> SweepResult | None:
+    """The row of a model type whose tiny model could not be built, where its default config is refused by the check
+    `convert` makes before reading any weight (`source_architecture`), which reads the structure, not the sizes;
+    `None` where the config passes, so that converting would need the model."""
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    config = config_class(**DEFAULT_FIELDS.get(model_type, {}))
+    config.architectures = [architecture]
+    try:
+        source_architecture(config)
+    except ConversionError as error:
+        return refused(model_type, architecture, error)
+    return None
 
 
 def sweep(model_types: list[str] | None = None) -> list[SweepResult]:

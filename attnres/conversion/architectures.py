@@ -209,11 +209,28 @@ REFUSED_MODEL_TYPES = {
     **dict.fromkeys(("gemma4", "gemma4_unified"), _GEMMA4_MULTIMODAL),
     # `Gemma4UnifiedAssistantForCausalLM.forward` takes no token ids: it projects the target model's hidden states
     # (`pre_projection`), and its config makes every layer reuse the target's keys and values (`num_kv_shared_layers`).
-    "gemma4_unified_assistant": (
-        "a drafter for Gemma 4's assisted decoding: it reads the target model's hidden states and attends to the "
-        "target's keys and values, through Gemma 4 layers that multiply the whole stream by a per-layer scalar: not a "
-        "standalone decoder"
+    # `Gemma4AssistantForCausalLM.forward` raises without `inputs_embeds` (the target's states, projected by
+    # `pre_projection`) and `shared_kv_states`, and runs them through a Gemma 4 text model.
+    **dict.fromkeys(
+        ("gemma4_assistant", "gemma4_unified_assistant"),
+        (
+            "a drafter for Gemma 4's assisted decoding: it reads the target model's hidden states and attends to the "
+            "target's keys and values, through Gemma 4 layers that multiply the whole stream by a per-layer scalar: "
+            "not a standalone decoder"
+        ),
     ),
+    # `DoryDecoderLayer.forward`: `hidden_states = self.input_layernorm(hidden_states)` (an L2 norm), then
+    # `hidden_states + attention_rate * (attn_output - hidden_states)` with `attn_output` L2-normed, the same around
+    # the MLP; `DoryModel` runs its middle layers `n_recurrent_loops` times.
+    "dory": (
+        "a stream on the unit sphere (nGPT): each sublayer moves the normalised stream towards its own normalised "
+        "output at a learned per-channel rate, h <- n(h) + a * (n(f(n(h))) - n(h)), and the middle layers run in "
+        "loops: the stream is not a plain sum of the sublayers' outputs"
+    ),
+    # `Qwen4ExpTextDecoderLayer.forward`: `attn_hyper_connection(hidden_states)` mixes `hc_count` streams into the
+    # sublayer's input, and `hyper_input + (output * injection_weights).flatten(-2)` injects its output into each
+    # stream with a weight of its own; the multimodal model's text decoder is the same.
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), _HYPER_CONNECTIONS),
     # `MllamaTextModel` builds `MllamaCrossAttentionDecoderLayer` at the `cross_attention_layers` indices, residuals
     # gated by `cross_attn_attn_gate.tanh()` and `cross_attn_mlp_gate.tanh()`, skipped when no image states are given.
     **dict.fromkeys(("mllama", "mllama_text_model"), _CROSS_ATTENTION_LAYERS),
@@ -237,6 +254,7 @@ REFUSED_MODEL_TYPES = {
     "qwen3_5": _multimodal("a vision encoder", "qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": _multimodal("a vision encoder", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "emu3": _multimodal("a VQ-VAE image tokenizer", "emu3_text_model", "Emu3ForCausalLM"),
+    "dots3_note": _multimodal("a vision and an audio encoder", "dots3_note_text", "Dots3NoteForCausalLM"),
     "got_ocr2": _multimodal("a SAM vision encoder and a projector", "qwen2", "Qwen2ForCausalLM"),
     "moss_transcribe_diarize": _multimodal("an audio encoder and a projector", "qwen3", "Qwen3ForCausalLM"),
     # `Phi4MultimodalModel.embed_tokens_extend` embeds images and audio; its decoder layers are Phi-3's, under
