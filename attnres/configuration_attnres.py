@@ -355,7 +355,11 @@ class AttnResConfig(PreTrainedConfig):
         elif self.block_size is not None:
             self._check_positive_int("block_size")
         heads = getattr(self, "num_attention_heads", None)
-        if heads is not None:  # the Mamba families have no attention
+        # A heterogeneous config's attention shapes vary per layer (Dots 3 Note's `per_layer_config`): the family's
+        # config checks them, layer by layer, and reading one here would raise.
+        per_layer = getattr(self, "per_layer_attributes", None) or set()
+        if heads is not None and not per_layer & {"num_attention_heads", "num_key_value_heads", "head_dim"}:
+            # the Mamba families have no attention
             if getattr(self, "num_key_value_heads", None) is not None:  # GPT-2's heads are all query and key heads
                 allowed = f"a positive divisor of num_attention_heads = {heads}"
                 self._check_int_range("num_key_value_heads", 1, heads, allowed)

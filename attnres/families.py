@@ -453,6 +453,8 @@ class Family:
         its LM head (MiniCPM3's `logits_scaling`, a property of its config class: hidden_size / dim_model_base), or
         `None`.
     rotary_per_layer_type: the rotary embedding takes a layer type (Gemma 3, OLMo 3: bases per attention type).
+    fp32_rotary_types: the layer types whose rotary embedding the family's model computes from the embeddings in fp32
+        whatever the model's dtype (Dots 3 Note's indexed attention).
     rope_theta_per_layer: the config field of each layer's RoPE base, `0` for a layer without rotary embedding
         (Granite MoE SWA's `layer_rope_theta`), or `None`. The model then builds the family's rotary embedding once per
         base (`RotaryEmbeddingPerBase`), as the family's model does, and each layer reads the one of its base.
@@ -526,6 +528,7 @@ class Family:
     layer_residual_scale: str | None = None
     head_input_divisor: str | None = None
     rotary_per_layer_type: bool = False
+    fp32_rotary_types: tuple[str, ...] = ()
     rope_theta_per_layer: str | None = None
     rope_layer_types: tuple[str, ...] | None = None
     optional_rope: bool = False
@@ -997,6 +1000,18 @@ FAMILIES = {
         Family("glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLite", moe=NO_LOAD_BALANCING_LOSS),
         Family("axk1", "axk1", "AXK1", moe=NO_LOAD_BALANCING_LOSS),
         Family("deepseek_v32", "deepseek_v32", "DeepseekV32", moe=NO_LOAD_BALANCING_LOSS),
+        # Dots 3 Note's text decoder: DeepSeek-V3.2's indexed latent attention and windowed latent attention of other
+        # shapes (`per_layer_config`), a RoPE base per layer type.
+        Family(
+            "dots3_note_text",
+            "dots3_note",
+            "Dots3Note",
+            decoder_layer="TextDecoderLayer",
+            rotary_embedding="TextRotaryEmbedding",
+            rotary_per_layer_type=True,
+            fp32_rotary_types=("indexed_attention",),
+            moe=NO_LOAD_BALANCING_LOSS,
+        ),
         # GLM-5: DeepSeek-V3.2's sparse attention, whose `shared` layers reuse the keys the last indexer chose.
         Family(
             "glm_moe_dsa",

@@ -151,23 +151,25 @@ def family_attention_inputs(
 
 def rotary_embeddings(
     rotary_emb: nn.Module | None,
-    per_layer_type: bool,
+    family: Family,
     rotary_types: Iterable,
     inputs_embeds: torch.Tensor,
     position_ids: torch.LongTensor,
 ) -> dict:
     """The rotary position embeddings each of `rotary_types` (the layers' `Family.rotary_type`: their attention types,
     or their RoPE bases) reads: one per type where the family's rotary embedding takes one (`Family.rotary_per_layer`;
-    `None` for the types it has no bases for, a hybrid's recurrent layers), otherwise one for all; `None` for the
-    layers the family's model gives none (the type `None`: LaRA Mini's and Granite MoE SWA's NoPE layers), and for all
-    where the family has no rotary embedding (GPT-2's learned positions, Kimi Linear's NoPE attention)."""
+    `None` for the types it has no bases for, a hybrid's recurrent layers; in fp32 for `Family.fp32_rotary_types`),
+    otherwise one for all; `None` for the layers the family's model gives none (the type `None`: LaRA Mini's and
+    Granite MoE SWA's NoPE layers), and for all where the family has no rotary embedding (GPT-2's learned positions,
+    Kimi Linear's NoPE attention)."""
     if rotary_emb is None:
         return dict.fromkeys(rotary_types)
-    if per_layer_type:
-        return {
-            kind: rotary_emb(inputs_embeds, position_ids, kind) if kind in rotary_emb.layer_types else None
-            for kind in rotary_types
-        }
+    if family.rotary_per_layer:
+        embeddings = {}
+        for kind in rotary_types:
+            inputs = inputs_embeds.float() if kind in family.fp32_rotary_types else inputs_embeds
+            embeddings[kind] = rotary_emb(inputs, position_ids, kind) if kind in rotary_emb.layer_types else None
+        return embeddings
     shared = rotary_emb(inputs_embeds, position_ids)
     return {kind: None if kind is None else shared for kind in rotary_types}
 
@@ -648,7 +650,6 @@ class AttnResModel(AttnResPreTrainedModel):
             self.norm = norm(config.hidden_size, eps=norm_eps(config))
         self.recorded_output = RecordedHiddenState()
         self.rotary_emb = family.rotary_embedding_of(config)
-        self.rotary_per_layer_type = family.rotary_per_layer
         self.gradient_checkpointing = False
         self._keep_depth_queries_in_float32()
         # The family's own modules kept in fp32 on loading (DeepSeek-V3's router weights and routing bias, GPT-OSS's
@@ -736,7 +737,7 @@ class AttnResModel(AttnResPreTrainedModel):
         masks, attention_bias = family_attention_inputs(self.config, masks, inputs_embeds, attention_mask, cache)
         rotary_types = dict.fromkeys(layer.rotary_type for layer in self.layers)
         position_embeddings = rotary_embeddings(
-            self.rotary_emb, self.rotary_per_layer_type, rotary_types, inputs_embeds, position_ids
+            self.rotary_emb, FAMILIES[self.config.family], rotary_types, inputs_embeds, position_ids
         )
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))

@@ -286,6 +286,23 @@ CASES = {
     "axk1": ("axk1", dict(**DEEPSEEK_MOE, **MLA, num_key_value_heads=4, mlp_layer_types=["dense", "sparse", "sparse"])),
     # DeepSeek-V3.2's sparse attention: an indexer picks fewer keys than the prompts hold, from the causal mask.
     "deepseek_v32": ("deepseek_v32", DSA),
+    # Dots 3 Note's text decoder: the same, and a windowed layer of latent attention of another shape.
+    "dots3_note_text": (
+        "dots3_note_text",
+        dict(
+            DSA,
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+            sliding_window=4,
+            shared_experts_intermediate_size=32,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=4,
+            swa_q_lora_rank=24,
+            swa_kv_lora_rank=8,
+            swa_head_dim=24,
+            swa_qk_nope_head_dim=16,
+            swa_v_head_dim=8,
+        ),
+    ),
     # GLM-5: the same, whose `shared` layers reuse the keys the last indexer chose.
     "glm_moe_dsa": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "shared"])),
     # The same, with norms that gate their output before attention and before the MoE.

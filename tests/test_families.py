@@ -372,6 +372,7 @@ PER_EXPERT_FAMILIES = {
     "flex_olmo",
     "afmoe",
     "deepseek_v32",
+    "dots3_note_text",
     "axk2",
     "kimi_linear",
     "lfm2_moe",
@@ -549,6 +550,15 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("longcat_flash", {}, "a shortcut MoE"),
         ("minimax", {}, "a normed, scaled residual"),
         ("rwkv", {}, "stream halved every `rescale_every` layers"),
+        ("dory", {}, "a stream on the unit sphere"),
+        ("qwen4_exp", {}, "hyper-connections"),
+        ("qwen4_exp_text", {}, "hyper-connections"),
+        (
+            "gemma4_assistant",
+            dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False)),
+            "drafter for Gemma 4's assisted decoding",
+        ),
+        ("dots3_note", {}, "multimodal model: .* `dots3_note_text` text decoder, which converts alone"),
         ]
         if case[0] in CONFIG_MAPPING  # the model types of this Transformers (MOSS-Transcribe is newer than 5.16)
     ],

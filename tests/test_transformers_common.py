@@ -195,12 +195,13 @@ FAMILY_OWN_FAILURES = {
 }
 
 
-# Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's, GLM-5's and MiniMax-M3's sparse
-# attention picks its keys with an indexer whose top-k passes no gradient to the indexer's weights (the family's own
-# model leaves them without one too); the Mamba families have no attention.
+# Class attributes the family's own test class sets. DeepSeek-V3.2's, Dots 3 Note's, A.X K2's, GLM-5's and
+# MiniMax-M3's sparse attention picks its keys with an indexer whose top-k passes no gradient to the indexer's weights
+# (the family's own model leaves them without one too); the Mamba families have no attention.
 FAMILY_TEST_ATTRIBUTES = {
     **dict.fromkeys(
-        ("deepseek_v32", "axk2", "glm_moe_dsa", "minimax_m3_vl_text"), dict(test_all_params_have_gradient=False)
+        ("deepseek_v32", "dots3_note_text", "axk2", "glm_moe_dsa", "minimax_m3_vl_text"),
+        dict(test_all_params_have_gradient=False),
     ),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), dict(has_attentions=False)),
 }
@@ -333,6 +334,21 @@ FAMILY_FIELDS = {
     "axk1": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"]),
     "flex_olmo": dict(num_experts=4, num_experts_per_tok=2),
     "deepseek_v32": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"], **DSA),
+    # An indexed layer, then a windowed one of latent attention of another shape.
+    "dots3_note_text": dict(
+        DEEPSEEK_MLA_MOE,
+        mlp_layer_types=["dense", "sparse"],
+        layer_types=["indexed_attention", "sliding_attention"],
+        sliding_window=4,
+        shared_experts_intermediate_size=16,
+        swa_num_key_value_heads=4,
+        swa_q_lora_rank=24,
+        swa_kv_lora_rank=8,
+        swa_head_dim=24,
+        swa_qk_nope_head_dim=16,
+        swa_v_head_dim=8,
+        **DSA,
+    ),
     "axk2": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"], gated_norm_rank=8, **DSA),
     # GLM-5's second layer reuses the keys its first layer's indexer chose.
     "glm_moe_dsa": dict(DEEPSEEK_MLA_MOE, mlp_layer_types=["dense", "sparse"], indexer_types=["full", "shared"], **DSA),

@@ -291,7 +291,6 @@ class AttnResStage(nn.Module):
             self.model.output_residual = backbone.output_residual
             self.model.norm = backbone.norm
             self.lm_head = model.lm_head
-        self.rotary_per_layer_type = backbone.rotary_per_layer_type
         self.microbatch: int | None = None  # set by `CachingPipelineStage` around each forward
         self.recorded_router_logits: list[torch.Tensor] | None = None
         moe = FAMILIES[self.config.family].moe
@@ -361,7 +360,7 @@ class AttnResStage(nn.Module):
         masks, attention_bias = family_attention_inputs(self.config, masks, hidden_states, None, None)
         rotary_types = dict.fromkeys(layer.rotary_type for layer in self.model.layers.values())
         position_embeddings = rotary_embeddings(
-            self.model.rotary_emb, self.rotary_per_layer_type, rotary_types, hidden_states, position_ids
+            self.model.rotary_emb, FAMILIES[self.config.family], rotary_types, hidden_states, position_ids
         )
         self.recorded_router_logits = []
         threaded = {}  # within the stage: what a stage's first layer would take from the previous stage is not carried
