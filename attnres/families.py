@@ -23,6 +23,7 @@ import torch
 from torch import nn
 import transformers
 from packaging import version
+from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 
@@ -329,14 +330,16 @@ class ModelParts:
     which `Family.checkpoint_renamings` renames the family's.
 
     model: the suffix of the family's class that holds them (`GPT2Model`; OPT's `OPTDecoder`).
-    tokens, positions, norm: their names in that class: the token embedding (`wte`), the position embedding whose
-        output the family's model adds to the token embeddings (`wpe`), or `None`, and the final norm (`ln_f`).
+    tokens, positions, norm: their names in that class (paths where they sit deeper: ModernBERT decoder's
+        `embeddings.tok_embeddings`): the token embedding (`wte`), the position embedding whose output the family's
+        model adds to the token embeddings (`wpe`), or `None`, and the final norm (`ln_f`).
     positions_from_mask: where no position ids are given, the family's model counts the positions over the attention
         mask, `cumsum(mask) - 1` and -1 at padding (OPT), instead of counting every token from the cache's length.
     positions_after_mask: the position embedding is called as `positions(attention_mask, position_ids=ids)`, which
         reads the ids where they are given (OPT's learned embedding), instead of `positions(ids)`.
     embedding_norm: the norm the family's model applies to the embeddings before the first layer (BLOOM's
-        `word_embeddings_layernorm`), or `None`; the AttnRes model holds it as `embedding_norm`.
+        `word_embeddings_layernorm`, ModernBERT decoder's `embeddings.norm`), or `None`; the AttnRes model holds it as
+        `embedding_norm`.
     """
 
     model: str = "Model"
@@ -497,6 +500,10 @@ class Family:
         the additive mask to `torch.bool`).
     lm_head_bias: the config field that, when true, gives the family's LM head a bias (Phi-3.5-MoE's
         `lm_head_bias`), or `None` where it never has one.
+    prediction_head: the suffix of the class of the module that the family's `*ForCausalLM` applies to the model's
+        output before its LM head (ModernBERT's decoder: `PredictionHead`, a dense layer, its activation and a
+        LayerNorm, held as `lm_head` beside the LM head `decoder`), or `None`. The AttnRes causal LM holds it as
+        `prediction_head`, to which `checkpoint_renamings` renames the family's name for it.
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
@@ -546,6 +553,7 @@ class Family:
     attention_bias: AttentionBias | None = None
     boolean_mask: bool = False
     lm_head_bias: str | None = None
+    prediction_head: str | None = None
     since: tuple[int, int] = (5, 16)
 
     # A plain property (the import is a lookup in `sys.modules` after the first): vLLM's server pickles the config's
@@ -708,7 +716,10 @@ class Family:
         config._experts_implementation = None
         # Nor layers to checkpoint, which a config's legacy `gradient_checkpointing=True` has its `post_init` look for.
         config.gradient_checkpointing = False
-        return self.cls(self.parts.model)(config)
+        # Left uninitialised: the AttnRes model initialises them, as every module, with the family's `_init_weights`
+        # and the whole config (ModernBERT decoder's scales its standard deviations by the number of layers).
+        with no_init_weights():
+            return self.cls(self.parts.model)(config)
 
     def output_vocab_size(self, config) -> int:
         """The number of logits the family's LM head computes (`output_vocab`), the vocabulary's size by default."""
@@ -1343,6 +1354,33 @@ FAMILIES = {
             layer_residual_scale="residual_scale",
             head_input_divisor="logits_scaling",
             parts=OWN_EMBEDDING_AND_NORM,
+        ),
+        # ModernBERT's decoder: LayerNorms without bias, the embedding's own LayerNorm and dropout before the first
+        # layer (whose pre-norm is therefore an identity), windowed and full layers with RoPE bases per type, a
+        # prediction head before the LM head `decoder`.
+        Family(
+            "modernbert-decoder",
+            "modernbert_decoder",
+            "ModernBertDecoder",
+            (Sublayer("attn", "attn_norm"), Sublayer("mlp", "mlp_norm", call=FEED_FORWARD)),
+            norm=LAYER_NORM,
+            norm_eps="norm_eps",
+            llama_norm=False,
+            embedding_dropout="embedding_dropout",
+            rotary_per_layer_type=True,
+            decoder_layer="Layer",
+            parts=ModelParts(
+                tokens="embeddings.tok_embeddings", positions=None, norm="final_norm", embedding_norm="embeddings.norm"
+            ),
+            checkpoint_renamings=(
+                (r"^model\.embeddings\.tok_embeddings\.", "model.embed_tokens."),
+                (r"^model\.embeddings\.norm\.", "model.embedding_norm."),
+                (r"^model\.final_norm\.", "model.norm."),
+                (r"^lm_head\.", "prediction_head."),
+                (r"^decoder\.", "lm_head."),
+            ),
+            lm_head_bias="decoder_bias",
+            prediction_head="PredictionHead",
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

@@ -198,9 +198,10 @@ def family_embeddings(
     norm: nn.Module | None,
 ) -> torch.Tensor:
     """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
-    that add them (GPT-2's, OPT's), through BLOOM's `embedding_norm`, times Granite's `embedding_multiplier`, times
-    RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's muP, through GPT-2's and
-    StarCoder2's embedding dropout in training, through NanoChat's final `norm`."""
+    that add them (GPT-2's, OPT's), through BLOOM's and ModernBERT decoder's `embedding_norm`, times Granite's
+    `embedding_multiplier`, times RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's
+    muP, through GPT-2's, StarCoder2's and ModernBERT decoder's embedding dropout in training, through NanoChat's final
+    `norm`."""
     family = FAMILIES[config.family]
     if embed_positions is not None:
         inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
@@ -220,11 +221,18 @@ def family_embeddings(
     return inputs_embeds
 
 
-def family_logits(config: AttnResConfig, lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input divided by
-    MiniCPM3's `logits_scaling`, the logits divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
-    soft-capped by Gemma's `final_logit_softcapping`."""
+def family_logits(
+    config: AttnResConfig,
+    lm_head: nn.Module,
+    hidden_states: torch.Tensor,
+    prediction_head: nn.Module | None = None,
+) -> torch.Tensor:
+    """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input through
+    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling`, the logits divided by Granite's
+    `logits_scaling`, multiplied by HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping`."""
     family = FAMILIES[config.family]
+    if prediction_head is not None:
+        hidden_states = prediction_head(hidden_states)
     if family.head_input_divisor is not None:
         hidden_states = hidden_states / family.config_value(config, family.head_input_divisor)
     logits = lm_head(hidden_states)
@@ -831,6 +839,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         bias = self.family.lm_head_bias is not None and getattr(config, self.family.lm_head_bias)
         self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=bias)
+        prediction_head = self.family.prediction_head
+        self.prediction_head = self.family.cls(prediction_head)(config) if prediction_head is not None else None
         if not self.family.causal_lm_class._tied_weights_keys:
             # The head is its own wherever the family's causal LM ties none to the embedding (Nemotron-H, Kimi Linear),
             # whatever `tie_word_embeddings` says, as there.
@@ -881,7 +891,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        logits = family_logits(self.config, self.lm_head, outputs.last_hidden_state)
+        logits = family_logits(self.config, self.lm_head, outputs.last_hidden_state, self.prediction_head)
 
         loss = None
         if labels is not None:

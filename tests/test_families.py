@@ -100,11 +100,14 @@ def test_layernorm_families_hold_their_own_layernorms_with_bias(case):
     assert {type(layer.input_layernorm) for layer in model.model.layers} == {nn.LayerNorm}
 
 
-@pytest.mark.parametrize("case", ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2", "bloom", "gpt_neox_japanese"])
+@pytest.mark.parametrize(
+    "case",
+    ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2", "bloom", "gpt_neox_japanese", "modernbert-decoder"],
+)
 def test_standard_mode_equals_the_family_in_training_with_its_dropouts(case):
     """The family's dropouts (StarCoder2's and GPT-2's on the embedding and on each branch, StableLM's on the MLP's
-    output, Seed-OSS's and Emu3's residual dropouts) are applied where the family applies them, drawing the same random
-    numbers."""
+    output, Seed-OSS's and Emu3's residual dropouts, ModernBERT decoder's after its embedding's norm and inside its
+    attention and MLP) are applied where the family applies them, drawing the same random numbers."""
     source = source_model(case).train()
     config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
     model = AttnResForCausalLM(config).train()
@@ -420,12 +423,12 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
 
 
 # Linear layers that are not projections: the output head (BioGPT's `output_projection`, GPT-NeoX Japanese's
-# `embed_out`), the routers (HunYuan's
+# `embed_out`, ModernBERT decoder's `decoder`), the routers (HunYuan's
 # `gate.wg`, Llama 4's `router`), Qwen2-MoE's shared-expert gate and the indexer of DeepSeek-V3.2's sparse attention
 # (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient); and Jamba's Mamba
 # time-step projection `dt_proj`, whose weight its mixer multiplies without calling it, so no adapter would act.
 NOT_PROJECTIONS = {
-    "lm_head", "output_projection", "embed_out", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk",
+    "lm_head", "output_projection", "embed_out", "decoder", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk",
     "weights_proj", "dt_proj",
 }
 
@@ -531,7 +534,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("mllama_text_model", {}, "gated cross-attention layers"),
         ("moshi", {}, "speech-text model with a depth decoder"),
         ("blt", {}, "byte-level hierarchy"),
-        ("cpmant", {}, "attnres/families.py has no row"),
+        ("cpmant", {}, "bidirectional attention over the whole input"),
         ("gemma3", {}, "multimodal model: .* `gemma3_text` text decoder, which converts alone"),
         ("llama4", {}, "multimodal model: .* `llama4_text` text decoder, which converts alone"),
         ("qwen3_5", {}, "multimodal model: .* `qwen3_5_text` text decoder, which converts alone"),
