@@ -10,6 +10,7 @@ threads it through the decoder layers. The math is in docs/design.md.
 """
 
 import inspect
+import math
 from collections.abc import Iterable
 from functools import partial
 
@@ -42,6 +43,7 @@ from .families import (
     FAMILIES,
     FEED_FORWARD,
     HYBRID_MASKS,
+    PositionTable,
     RECURRENT,
     Family,
     Sublayer,
@@ -197,14 +199,19 @@ def family_embeddings(
     embedding_norm: nn.Module | None,
     norm: nn.Module | None,
 ) -> torch.Tensor:
-    """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
-    that add them (GPT-2's, OPT's), through BLOOM's and ModernBERT decoder's `embedding_norm`, times Granite's
+    """The embeddings as the family's model feeds them to its first layer: times CTRL's sqrt(hidden_size), plus the
+    position embeddings of the families that add them (GPT-2's, OPT's, CTRL's), through BLOOM's and ModernBERT
+    decoder's `embedding_norm`, times Granite's
     `embedding_multiplier`, times RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's
     muP, through GPT-2's, StarCoder2's and ModernBERT decoder's embedding dropout in training, through NanoChat's final
     `norm`."""
     family = FAMILIES[config.family]
+    if family.embedding_scale:
+        inputs_embeds = inputs_embeds * math.sqrt(config.hidden_size)
     if embed_positions is not None:
-        inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
+        # In the embeddings' dtype, as CTRL casts its table, built in fp32 whatever the model's dtype.
+        positions = family.parts.position_embeddings(embed_positions, position_ids).to(inputs_embeds.dtype)
+        inputs_embeds = inputs_embeds + positions
     if embedding_norm is not None:
         inputs_embeds = embedding_norm(inputs_embeds)
     if family.embedding_multiplier is not None:
@@ -471,8 +478,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             if keyword not in threaded:
                 threaded[keyword] = shared()
             kwargs = dict(kwargs, **{keyword: threaded[keyword]})
-        # The input under the keyword the family's layer passes it by, or by position (RecurrentGemma's).
-        named_input = {sublayer.input_argument: hidden_states} if sublayer.input_argument else {}
+        # The input under the keyword the family's layer passes it by (under each of CTRL's three), or by position
+        # (RecurrentGemma's).
+        keywords = sublayer.input_argument or ()
+        named_input = dict.fromkeys((keywords,) if isinstance(keywords, str) else keywords, hidden_states)
         outputs = module(
             *(() if named_input else (hidden_states,)),
             **named_input,
@@ -620,6 +629,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
             init.zeros_(module.pseudo_query)
             if module.key_norm_weight is not None:
                 init.ones_(module.key_norm_weight)
+        elif isinstance(module, PositionTable):  # a buffer, not loaded from checkpoints
+            init.copy_(module.table, module.computed())
         elif isinstance(module, DepthAttention) and module.output_scale_tensor is not None:
             init.constant_(module.output_scale_tensor, module.output_scale)  # a buffer, not loaded from checkpoints
         if hasattr(module, "init_residual_parameters"):
@@ -641,6 +652,9 @@ class AttnResModel(AttnResPreTrainedModel):
         self.embed_positions = None
         if parts is not None and family.parts.positions is not None:
             self.embed_positions = parts.get_submodule(family.parts.positions)
+        elif parts is not None and family.parts.position_table is not None:
+            function = getattr(family.modeling, family.parts.position_table)
+            self.embed_positions = PositionTable(function, config.max_position_embeddings, config.hidden_size)
         if parts is not None and family.parts.embedding_norm is not None:
             self.embedding_norm = parts.get_submodule(family.parts.embedding_norm)
         else:
@@ -837,7 +851,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = AttnResModel(config)
         self.vocab_size = config.vocab_size
-        bias = self.family.lm_head_bias is not None and getattr(config, self.family.lm_head_bias)
+        bias = self.family.lm_head_bias
+        if isinstance(bias, str):
+            bias = getattr(config, bias)
+        bias = bool(bias)
         self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=bias)
         prediction_head = self.family.prediction_head
         self.prediction_head = self.family.cls(prediction_head)(config) if prediction_head is not None else None

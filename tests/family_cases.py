@@ -803,6 +803,9 @@ CASES = {
             },
         ),
     ),
+    # CTRL: the embedding scaled by sqrt(n_embd) plus sinusoidal positions, an attention called with its input three
+    # times, dropouts on the embedding and after each branch, an LM head with a bias.
+    "ctrl": ("ctrl", dict(n_embd=64, n_layer=3, n_head=4, dff=96, n_positions=256, resid_pdrop=0.1, embd_pdrop=0.1)),
 }
 # The families the installed Transformers has (InternLM3 from after 5.19).
 CASES = {case: spec for case, spec in CASES.items() if spec[0] in FAMILIES}

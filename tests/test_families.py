@@ -102,12 +102,23 @@ def test_layernorm_families_hold_their_own_layernorms_with_bias(case):
 
 @pytest.mark.parametrize(
     "case",
-    ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2", "bloom", "gpt_neox_japanese", "modernbert-decoder"],
+    [
+        "seed_oss",
+        "stablelm",
+        "starcoder2",
+        "emu3_text_model",
+        "gpt2",
+        "bloom",
+        "gpt_neox_japanese",
+        "modernbert-decoder",
+        "ctrl",
+    ],
 )
 def test_standard_mode_equals_the_family_in_training_with_its_dropouts(case):
     """The family's dropouts (StarCoder2's and GPT-2's on the embedding and on each branch, StableLM's on the MLP's
     output, Seed-OSS's and Emu3's residual dropouts, ModernBERT decoder's after its embedding's norm and inside its
-    attention and MLP) are applied where the family applies them, drawing the same random numbers."""
+    attention and MLP, CTRL's on the embedding and after each branch) are applied where the family applies them,
+    drawing the same random numbers."""
     source = source_model(case).train()
     config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
     model = AttnResForCausalLM(config).train()
@@ -433,12 +444,17 @@ NOT_PROJECTIONS = {
 }
 
 
+def target_name(name: str) -> str:
+    """A module's name as LoRA targets it: its own (`q_proj`), or with its parent's where it is an index in an
+    `nn.Sequential` (CTRL's `ffn.0`), which alone would name decoder layers too."""
+    parent, _, own = name.rpartition(".")
+    return f"{parent.rpartition('.')[2]}.{own}" if own.isdigit() else own
+
+
 def projection_names(model: nn.Module) -> set[str]:
     """The names of the linear layers inside the sublayers, as LoRA targets them (`q_proj`, `qkv_proj`, ...; GPT-2's
     `Conv1D` layers, which are linear layers with a transposed weight)."""
-    linears = {
-        name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))
-    }
+    linears = {target_name(name) for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))}
     return linears - NOT_PROJECTIONS
 
 
@@ -450,7 +466,7 @@ def test_trainer_step_with_lora_on_the_familys_projection_names(converted, tmp_p
     assert projection_names(model) == set(targets)
     assert set(targets) <= set(PROJECTION_TARGET_MODULES)  # `lora_config()`'s default reaches every projection
     model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, modules_to_save=["attn_residual"]))
-    wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    wrapped = {target_name(name) for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert wrapped == set(targets)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     ids = prompt_ids(batch=4)
