@@ -534,7 +534,7 @@ class Family:
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
-        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`).
+        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`; ModernBERT's decoder from 5.25, its loss).
     """
 
     model_type: str
@@ -1409,6 +1409,9 @@ FAMILIES = {
             ),
             lm_head_bias="decoder_bias",
             prediction_head="PredictionHead",
+            # Tested on 5.25; on 5.16 its causal LM computes its loss with a `CrossEntropyLoss` of its own, whose
+            # result differs from Transformers' loss function in the last bit.
+            since=(5, 25),
         ),
         # CTRL: the token embeddings scaled by sqrt(n_embd) plus sinusoidal positions from a buffer, an attention called
         # with its input three times (`v`, `k`, `q`) and the cache as `layer_past`, LayerNorms, a ReLU MLP in an

@@ -103,15 +103,19 @@ def test_layernorm_families_hold_their_own_layernorms_with_bias(case):
 @pytest.mark.parametrize(
     "case",
     [
-        "seed_oss",
-        "stablelm",
-        "starcoder2",
-        "emu3_text_model",
-        "gpt2",
-        "bloom",
-        "gpt_neox_japanese",
-        "modernbert-decoder",
-        "ctrl",
+        case
+        for case in (
+            "seed_oss",
+            "stablelm",
+            "starcoder2",
+            "emu3_text_model",
+            "gpt2",
+            "bloom",
+            "gpt_neox_japanese",
+            "modernbert-decoder",
+            "ctrl",
+        )
+        if case in CASES  # ModernBERT's decoder from Transformers 5.25
     ],
 )
 def test_standard_mode_equals_the_family_in_training_with_its_dropouts(case):
