@@ -228,11 +228,14 @@ class AttnResConfig(PreTrainedConfig):
 
     def _without_other_families_fields(self, family_config: type[PreTrainedConfig], kwargs: dict) -> dict:
         """`kwargs` without the fields of Llama's and Mixtral's configs (which configs of every family held before
-        each was its family's) that `family_config` does not have, where they keep their defaults; another value is
-        refused, for it would change the model in a family with no such field."""
+        each was its family's) that `family_config` does not have, where they keep their defaults or where the family's
+        config derives them itself (ModernBERT decoder's `sliding_window`); another value is refused, for it would
+        change the model in a family with no such field."""
         declared = _declared_fields(family_config)
         for name, default in _SUPERSET_DEFAULTS.items():
             if name in kwargs and name not in declared and kwargs[name] != default:
+                if name in _derived_attributes(family_config):
+                    continue
                 raise ValueError(
                     f"AttnResConfig.{name}={kwargs[name]!r}: must be {default!r}: family {self.family!r} has no such "
                     "field"
@@ -379,7 +382,9 @@ class AttnResConfig(PreTrainedConfig):
             self._check_positive_int(experts)
             allowed = f"an integer from 1 to {experts} = {getattr(self, experts)}"
             self._check_int_range(family.moe.top_k, 1, getattr(self, experts), allowed)
-        if "sliding_attention" in layer_types(self):
+        # A window that the family's config derives (ModernBERT decoder's, from `local_attention`) is checked derived.
+        windowed = "sliding_attention" in layer_types(self)
+        if windowed and ("sliding_window" in vars(self) or vars(self).get(_FAMILY_BUILT)):
             self._check_int_range("sliding_window", 1, math.inf, "a positive integer: layer_types has windowed layers")
         if self.depth_ablation is not None and (
             self.depth_ablation not in DEPTH_ABLATIONS or self.residual_mode not in ("full", "block")
@@ -431,6 +436,13 @@ def _declared_fields(config_class: type[PreTrainedConfig]) -> set[str]:
     aliases = config_class.attribute_map
     fields = {field.name for field in dataclasses.fields(config_class)} - _SHARED_FIELDS
     return fields | set(aliases) | set(aliases.values())
+
+
+def _derived_attributes(config_class: type[PreTrainedConfig]) -> set[str]:
+    """The attributes a config class's `__post_init__` sets beside its fields, deriving them from its fields
+    (ModernBERT decoder's `sliding_window`, half its `local_attention`): its saved configs hold them, and it derives
+    them again, whatever is given, when it reads one."""
+    return set(vars(config_class())) - {field.name for field in dataclasses.fields(config_class)}
 
 
 def _field_defaults(config_class: type[PreTrainedConfig]) -> dict:

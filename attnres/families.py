@@ -23,6 +23,7 @@ import torch
 from torch import nn
 import transformers
 from packaging import version
+from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 
@@ -73,9 +74,10 @@ class Sublayer:
         forward pass and gives the attention `module` of every layer (Kolibri 1.1's `shared_kv_states`, a
         `KVSharingDict` where the layers that store their keys and values leave them for those that reuse them), or
         `None`.
-    input_argument: the keyword by which the attention `module` takes its input, as the family's layer passes it;
-        `None` where it passes the input by position (RecurrentGemma's temporal blocks, whose recurrent and attention
-        blocks name it differently).
+    input_argument: the keyword by which the attention `module` takes its input, as the family's layer passes it, or
+        the keywords where it passes the input as several arguments (CTRL's attention, as `v`, `k` and `q`); `None`
+        where it passes the input by position (RecurrentGemma's temporal blocks, whose recurrent and attention blocks
+        name it differently).
     """
 
     module: str
@@ -92,7 +94,7 @@ class Sublayer:
     dropout: str | None = None
     threaded: str | None = None
     shared: tuple[str, str] | None = None
-    input_argument: str | None = "hidden_states"
+    input_argument: str | tuple[str, ...] | None = "hidden_states"
 
     @property
     def summands(self) -> tuple["Sublayer", ...]:
@@ -239,6 +241,25 @@ KIMI_DELTA_ATTENTION = {
     "linear_attention": (Sublayer("self_attn", "input_layernorm", call=RECURRENT), PRE_NORM[1]),
 }
 
+class PositionTable(nn.Module):
+    """The table of position vectors that a family's model computes with a function of its own and holds in a buffer,
+    not saved, adding its rows at the position ids to the embeddings (CTRL's sinusoidal `pos_encoding`, by
+    `positional_encoding`); computed again as the model is initialised, as the family's `_init_weights` does."""
+
+    def __init__(self, function, positions: int, hidden_size: int):
+        super().__init__()
+        self.function = function
+        self.positions = positions
+        self.hidden_size = hidden_size
+        self.register_buffer("table", self.computed(), persistent=False)
+
+    def computed(self) -> torch.Tensor:
+        return self.function(self.positions, self.hidden_size, torch.float)
+
+    def forward(self, position_ids: torch.LongTensor) -> torch.Tensor:
+        return self.table[position_ids]
+
+
 class RotaryEmbeddingPerBase(nn.Module):
     """A family's rotary embedding built once per RoPE base of its layers (Granite MoE SWA's `layer_rope_theta`), each
     from the config with that base, as the family's model builds them; called with a base where a rotary embedding with
@@ -329,14 +350,20 @@ class ModelParts:
     which `Family.checkpoint_renamings` renames the family's.
 
     model: the suffix of the family's class that holds them (`GPT2Model`; OPT's `OPTDecoder`).
-    tokens, positions, norm: their names in that class: the token embedding (`wte`), the position embedding whose
-        output the family's model adds to the token embeddings (`wpe`), or `None`, and the final norm (`ln_f`).
+    tokens, positions, norm: their names in that class (paths where they sit deeper: ModernBERT decoder's
+        `embeddings.tok_embeddings`): the token embedding (`wte`), the position embedding whose output the family's
+        model adds to the token embeddings (`wpe`), or `None`, and the final norm (`ln_f`).
     positions_from_mask: where no position ids are given, the family's model counts the positions over the attention
         mask, `cumsum(mask) - 1` and -1 at padding (OPT), instead of counting every token from the cache's length.
     positions_after_mask: the position embedding is called as `positions(attention_mask, position_ids=ids)`, which
         reads the ids where they are given (OPT's learned embedding), instead of `positions(ids)`.
     embedding_norm: the norm the family's model applies to the embeddings before the first layer (BLOOM's
-        `word_embeddings_layernorm`), or `None`; the AttnRes model holds it as `embedding_norm`.
+        `word_embeddings_layernorm`, ModernBERT decoder's `embeddings.norm`), or `None`; the AttnRes model holds it as
+        `embedding_norm`.
+    position_table: where the family's model adds position vectors from a buffer instead of a module (`positions` is
+        `None`), the function of its modeling module that computes them, as `function(max_position_embeddings,
+        hidden_size, torch.float)` (CTRL's `positional_encoding`), or `None`; the AttnRes model holds them as
+        `embed_positions`, a `PositionTable`.
     """
 
     model: str = "Model"
@@ -346,6 +373,7 @@ class ModelParts:
     positions_from_mask: bool = False
     positions_after_mask: bool = False
     embedding_norm: str | None = None
+    position_table: str | None = None
 
     def position_embeddings(self, embed_positions: nn.Module, position_ids: torch.LongTensor) -> torch.Tensor:
         """The vectors `embed_positions` adds at `position_ids`, called as the family's model calls it."""
@@ -432,6 +460,8 @@ class Family:
         fused with the normalisation (docs/design.md §6); other norms (Gemma's `1 + w`, OLMo 2's gain in fp32, a
         LayerNorm) are the family's own, and read the step's result computed.
     scaled_embedding: the family's embedding module multiplies by sqrt(hidden_size) (`<prefix>TextScaledWordEmbedding`).
+    embedding_scale: the family's model multiplies the token embeddings by sqrt(hidden_size) before it adds the
+        positions (CTRL).
     embedding_dropout: the config field of the dropout the family's model applies to the embedding in training
         (StarCoder2), or `None`.
     embedding_scale_dtype: the dtype in which the family's model holds the sqrt(hidden_size) it multiplies the
@@ -498,11 +528,15 @@ class Family:
     boolean_mask: the family's model hands its attention the causal mask as booleans, true where masked (MPT casts
         the additive mask to `torch.bool`).
     lm_head_bias: the config field that, when true, gives the family's LM head a bias (Phi-3.5-MoE's
-        `lm_head_bias`), or `None` where it never has one.
+        `lm_head_bias`), `True` where it always has one (CTRL's), or `None` where it never has one.
+    prediction_head: the suffix of the class of the module that the family's `*ForCausalLM` applies to the model's
+        output before its LM head (ModernBERT's decoder: `PredictionHead`, a dense layer, its activation and a
+        LayerNorm, held as `lm_head` beside the LM head `decoder`), or `None`. The AttnRes causal LM holds it as
+        `prediction_head`, to which `checkpoint_renamings` renames the family's name for it.
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
-        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`).
+        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`; ModernBERT's decoder from 5.25, its loss).
     """
 
     model_type: str
@@ -515,6 +549,7 @@ class Family:
     norm_eps: str | None = "rms_norm_eps"
     llama_norm: bool = True
     scaled_embedding: bool = False
+    embedding_scale: bool = False
     embedding_dropout: str | None = None
     embedding_scale_dtype: torch.dtype | None = None
     mup_embedding_scale: str | None = None
@@ -548,7 +583,8 @@ class Family:
     output_vocab: str | None = None
     attention_bias: AttentionBias | None = None
     boolean_mask: bool = False
-    lm_head_bias: str | None = None
+    lm_head_bias: str | bool | None = None
+    prediction_head: str | None = None
     since: tuple[int, int] = (5, 16)
 
     # A plain property (the import is a lookup in `sys.modules` after the first): vLLM's server pickles the config's
@@ -711,7 +747,10 @@ class Family:
         config._experts_implementation = None
         # Nor layers to checkpoint, which a config's legacy `gradient_checkpointing=True` has its `post_init` look for.
         config.gradient_checkpointing = False
-        return self.cls(self.parts.model)(config)
+        # Left uninitialised: the AttnRes model initialises them, as every module, with the family's `_init_weights`
+        # and the whole config (ModernBERT decoder's scales its standard deviations by the number of layers).
+        with no_init_weights():
+            return self.cls(self.parts.model)(config)
 
     def output_vocab_size(self, config) -> int:
         """The number of logits the family's LM head computes (`output_vocab`), the vocabulary's size by default."""
@@ -1358,6 +1397,71 @@ FAMILIES = {
             layer_residual_scale="residual_scale",
             head_input_divisor="logits_scaling",
             parts=OWN_EMBEDDING_AND_NORM,
+        ),
+        # ModernBERT's decoder: LayerNorms without bias, the embedding's own LayerNorm and dropout before the first
+        # layer (whose pre-norm is therefore an identity), windowed and full layers with RoPE bases per type, a
+        # prediction head before the LM head `decoder`.
+        Family(
+            "modernbert-decoder",
+            "modernbert_decoder",
+            "ModernBertDecoder",
+            (Sublayer("attn", "attn_norm"), Sublayer("mlp", "mlp_norm", call=FEED_FORWARD)),
+            norm=LAYER_NORM,
+            norm_eps="norm_eps",
+            llama_norm=False,
+            embedding_dropout="embedding_dropout",
+            rotary_per_layer_type=True,
+            decoder_layer="Layer",
+            parts=ModelParts(
+                tokens="embeddings.tok_embeddings", positions=None, norm="final_norm", embedding_norm="embeddings.norm"
+            ),
+            checkpoint_renamings=(
+                (r"^model\.embeddings\.tok_embeddings\.", "model.embed_tokens."),
+                (r"^model\.embeddings\.norm\.", "model.embedding_norm."),
+                (r"^model\.final_norm\.", "model.norm."),
+                (r"^lm_head\.", "prediction_head."),
+                (r"^decoder\.", "lm_head."),
+            ),
+            lm_head_bias="decoder_bias",
+            prediction_head="PredictionHead",
+            # Tested on 5.25; on 5.16 its causal LM computes its loss with a `CrossEntropyLoss` of its own, whose
+            # result differs from Transformers' loss function in the last bit.
+            since=(5, 25),
+        ),
+        # CTRL: the token embeddings scaled by sqrt(n_embd) plus sinusoidal positions from a buffer, an attention called
+        # with its input three times (`v`, `k`, `q`) and the cache as `layer_past`, LayerNorms, a ReLU MLP in an
+        # `nn.Sequential`, a dropout after each branch, an LM head with a bias. Its decoder's classes have no prefix
+        # (`EncoderLayer`), its models `CTRL`; the layers under `transformer.h`.
+        Family(
+            "ctrl",
+            "ctrl",
+            "",
+            (
+                Sublayer(
+                    "multi_head_attention",
+                    "layernorm1",
+                    ("dropout1",),
+                    cache_argument="layer_past",
+                    input_argument=("v", "k", "q"),
+                ),
+                Sublayer("ffn", "layernorm2", ("dropout2",), call=FEED_FORWARD),
+            ),
+            model_prefix="CTRL",
+            norm=LAYER_NORM,
+            norm_eps="layer_norm_epsilon",
+            llama_norm=False,
+            embedding_scale=True,
+            embedding_dropout="embd_pdrop",
+            rotary_embedding=None,
+            decoder_layer="EncoderLayer",
+            causal_lm="LMHeadModel",
+            parts=ModelParts("CTRLModel", "w", None, "layernorm", position_table="positional_encoding"),
+            checkpoint_renamings=(
+                (r"^(transformer\.)?w\.", "model.embed_tokens."),
+                (r"^(transformer\.)?h\.", "model.layers."),
+                (r"^(transformer\.)?layernorm\.", "model.norm."),
+            ),
+            lm_head_bias=True,
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

@@ -10,6 +10,7 @@ threads it through the decoder layers. The math is in docs/design.md.
 """
 
 import inspect
+import math
 from collections.abc import Iterable
 from functools import partial
 
@@ -42,6 +43,7 @@ from .families import (
     FAMILIES,
     FEED_FORWARD,
     HYBRID_MASKS,
+    PositionTable,
     RECURRENT,
     Family,
     Sublayer,
@@ -199,13 +201,19 @@ def family_embeddings(
     embedding_norm: nn.Module | None,
     norm: nn.Module | None,
 ) -> torch.Tensor:
-    """The embeddings as the family's model feeds them to its first layer: plus the position embeddings of the families
-    that add them (GPT-2's, OPT's), through BLOOM's `embedding_norm`, times Granite's `embedding_multiplier`, times
-    RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's muP, through GPT-2's and
-    StarCoder2's embedding dropout in training, through NanoChat's final `norm`."""
+    """The embeddings as the family's model feeds them to its first layer: times CTRL's sqrt(hidden_size), plus the
+    position embeddings of the families that add them (GPT-2's, OPT's, CTRL's), through BLOOM's and ModernBERT
+    decoder's `embedding_norm`, times Granite's
+    `embedding_multiplier`, times RecurrentGemma's rounded sqrt(hidden_size), times sqrt(hidden_size) under AFMoE's
+    muP, through GPT-2's, StarCoder2's and ModernBERT decoder's embedding dropout in training, through NanoChat's final
+    `norm`."""
     family = FAMILIES[config.family]
+    if family.embedding_scale:
+        inputs_embeds = inputs_embeds * math.sqrt(config.hidden_size)
     if embed_positions is not None:
-        inputs_embeds = inputs_embeds + family.parts.position_embeddings(embed_positions, position_ids)
+        # In the embeddings' dtype, as CTRL casts its table, built in fp32 whatever the model's dtype.
+        positions = family.parts.position_embeddings(embed_positions, position_ids).to(inputs_embeds.dtype)
+        inputs_embeds = inputs_embeds + positions
     if embedding_norm is not None:
         inputs_embeds = embedding_norm(inputs_embeds)
     if family.embedding_multiplier is not None:
@@ -222,11 +230,18 @@ def family_embeddings(
     return inputs_embeds
 
 
-def family_logits(config: AttnResConfig, lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input divided by
-    MiniCPM3's `logits_scaling`, the logits divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
-    soft-capped by Gemma's `final_logit_softcapping`."""
+def family_logits(
+    config: AttnResConfig,
+    lm_head: nn.Module,
+    hidden_states: torch.Tensor,
+    prediction_head: nn.Module | None = None,
+) -> torch.Tensor:
+    """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input through
+    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling`, the logits divided by Granite's
+    `logits_scaling`, multiplied by HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping`."""
     family = FAMILIES[config.family]
+    if prediction_head is not None:
+        hidden_states = prediction_head(hidden_states)
     if family.head_input_divisor is not None:
         hidden_states = hidden_states / family.config_value(config, family.head_input_divisor)
     logits = lm_head(hidden_states)
@@ -465,8 +480,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             if keyword not in threaded:
                 threaded[keyword] = shared()
             kwargs = dict(kwargs, **{keyword: threaded[keyword]})
-        # The input under the keyword the family's layer passes it by, or by position (RecurrentGemma's).
-        named_input = {sublayer.input_argument: hidden_states} if sublayer.input_argument else {}
+        # The input under the keyword the family's layer passes it by (under each of CTRL's three), or by position
+        # (RecurrentGemma's).
+        keywords = sublayer.input_argument or ()
+        named_input = dict.fromkeys((keywords,) if isinstance(keywords, str) else keywords, hidden_states)
         outputs = module(
             *(() if named_input else (hidden_states,)),
             **named_input,
@@ -614,6 +631,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
             init.zeros_(module.pseudo_query)
             if module.key_norm_weight is not None:
                 init.ones_(module.key_norm_weight)
+        elif isinstance(module, PositionTable):  # a buffer, not loaded from checkpoints
+            init.copy_(module.table, module.computed())
         elif isinstance(module, DepthAttention) and module.output_scale_tensor is not None:
             init.constant_(module.output_scale_tensor, module.output_scale)  # a buffer, not loaded from checkpoints
         if hasattr(module, "init_residual_parameters"):
@@ -635,6 +654,9 @@ class AttnResModel(AttnResPreTrainedModel):
         self.embed_positions = None
         if parts is not None and family.parts.positions is not None:
             self.embed_positions = parts.get_submodule(family.parts.positions)
+        elif parts is not None and family.parts.position_table is not None:
+            function = getattr(family.modeling, family.parts.position_table)
+            self.embed_positions = PositionTable(function, config.max_position_embeddings, config.hidden_size)
         if parts is not None and family.parts.embedding_norm is not None:
             self.embedding_norm = parts.get_submodule(family.parts.embedding_norm)
         else:
@@ -830,8 +852,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = AttnResModel(config)
         self.vocab_size = config.vocab_size
-        bias = self.family.lm_head_bias is not None and getattr(config, self.family.lm_head_bias)
+        bias = self.family.lm_head_bias
+        if isinstance(bias, str):
+            bias = getattr(config, bias)
+        bias = bool(bias)
         self.lm_head = nn.Linear(config.hidden_size, self.family.output_vocab_size(config), bias=bias)
+        prediction_head = self.family.prediction_head
+        self.prediction_head = self.family.cls(prediction_head)(config) if prediction_head is not None else None
         if not self.family.causal_lm_class._tied_weights_keys:
             # The head is its own wherever the family's causal LM ties none to the embedding (Nemotron-H, Kimi Linear),
             # whatever `tie_word_embeddings` says, as there.
@@ -882,7 +909,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        logits = family_logits(self.config, self.lm_head, outputs.last_hidden_state)
+        logits = family_logits(self.config, self.lm_head, outputs.last_hidden_state, self.prediction_head)
 
         loss = None
         if labels is not None:

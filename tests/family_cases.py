@@ -800,6 +800,29 @@ CASES = {
         "minicpm3",
         dict(**MLA, num_key_value_heads=4, scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
     ),
+    # ModernBERT's decoder: the embedding's LayerNorm before the first layer (whose pre-norm is an identity), a full,
+    # a windowed and a full layer with RoPE bases per type, biases on the norms, projections and LM head, dropouts on
+    # the embedding, the attention and the MLP, a prediction head before the LM head.
+    "modernbert-decoder": (
+        "modernbert-decoder",
+        dict(
+            global_attn_every_n_layers=2,
+            local_attention=8,
+            norm_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            embedding_dropout=0.1,
+            attention_dropout=0.1,
+            mlp_dropout=0.1,
+            rope_parameters={
+                "full_attention": dict(rope_type="default", rope_theta=160000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            },
+        ),
+    ),
+    # CTRL: the embedding scaled by sqrt(n_embd) plus sinusoidal positions, an attention called with its input three
+    # times, dropouts on the embedding and after each branch, an LM head with a bias.
+    "ctrl": ("ctrl", dict(n_embd=64, n_layer=3, n_head=4, dff=96, n_positions=256, resid_pdrop=0.1, embd_pdrop=0.1)),
 }
 # The families the installed Transformers has (InternLM3 from after 5.19).
 CASES = {case: spec for case, spec in CASES.items() if spec[0] in FAMILIES}

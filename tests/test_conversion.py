@@ -23,8 +23,6 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import (
     AutoModelForCausalLM,
-    CTRLConfig,
-    CTRLLMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
@@ -38,6 +36,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
 )
 
 from attnres import AttnResForCausalLM
@@ -235,11 +235,11 @@ def test_exact_retrofit_closes_the_eps_gap(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    source = CTRLLMHeadModel(CTRLConfig(n_layer=1, n_embd=16, n_head=2, dff=32, vocab_size=50))
-    source.save_pretrained(tmp_path / "ctrl")
+    source = T5ForConditionalGeneration(T5Config(num_layers=1, d_model=16, num_heads=2, d_ff=32, d_kv=8, vocab_size=50))
+    source.save_pretrained(tmp_path / "t5")
     with pytest.raises(ConversionError) as error:
-        convert(tmp_path / "ctrl", tmp_path / "out", progress=False)
-    assert "CTRLLMHeadModel" in str(error.value)
+        convert(tmp_path / "t5", tmp_path / "out", progress=False)
+    assert "T5ForConditionalGeneration" in str(error.value)
     assert "LlamaForCausalLM" in str(error.value) and "MixtralForCausalLM" in str(error.value)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 

@@ -100,11 +100,29 @@ def test_layernorm_families_hold_their_own_layernorms_with_bias(case):
     assert {type(layer.input_layernorm) for layer in model.model.layers} == {nn.LayerNorm}
 
 
-@pytest.mark.parametrize("case", ["seed_oss", "stablelm", "starcoder2", "emu3_text_model", "gpt2", "bloom", "gpt_neox_japanese"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        case
+        for case in (
+            "seed_oss",
+            "stablelm",
+            "starcoder2",
+            "emu3_text_model",
+            "gpt2",
+            "bloom",
+            "gpt_neox_japanese",
+            "modernbert-decoder",
+            "ctrl",
+        )
+        if case in CASES  # ModernBERT's decoder from Transformers 5.25
+    ],
+)
 def test_standard_mode_equals_the_family_in_training_with_its_dropouts(case):
     """The family's dropouts (StarCoder2's and GPT-2's on the embedding and on each branch, StableLM's on the MLP's
-    output, Seed-OSS's and Emu3's residual dropouts) are applied where the family applies them, drawing the same random
-    numbers."""
+    output, Seed-OSS's and Emu3's residual dropouts, ModernBERT decoder's after its embedding's norm and inside its
+    attention and MLP, CTRL's on the embedding and after each branch) are applied where the family applies them,
+    drawing the same random numbers."""
     source = source_model(case).train()
     config = attnres_config(source.config, mode="standard", block_size=None, exact_retrofit=False)
     model = AttnResForCausalLM(config).train()
@@ -421,22 +439,27 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
 
 
 # Linear layers that are not projections: the output head (BioGPT's `output_projection`, GPT-NeoX Japanese's
-# `embed_out`), the routers (HunYuan's
+# `embed_out`, ModernBERT decoder's `decoder`), the routers (HunYuan's
 # `gate.wg`, Llama 4's `router`), Qwen2-MoE's shared-expert gate and the indexer of DeepSeek-V3.2's sparse attention
 # (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient); and Jamba's Mamba
 # time-step projection `dt_proj`, whose weight its mixer multiplies without calling it, so no adapter would act.
 NOT_PROJECTIONS = {
-    "lm_head", "output_projection", "embed_out", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk",
+    "lm_head", "output_projection", "embed_out", "decoder", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk",
     "weights_proj", "dt_proj",
 }
+
+
+def target_name(name: str) -> str:
+    """A module's name as LoRA targets it: its own (`q_proj`), or with its parent's where it is an index in an
+    `nn.Sequential` (CTRL's `ffn.0`), which alone would name decoder layers too."""
+    parent, _, own = name.rpartition(".")
+    return f"{parent.rpartition('.')[2]}.{own}" if own.isdigit() else own
 
 
 def projection_names(model: nn.Module) -> set[str]:
     """The names of the linear layers inside the sublayers, as LoRA targets them (`q_proj`, `qkv_proj`, ...; GPT-2's
     `Conv1D` layers, which are linear layers with a transposed weight)."""
-    linears = {
-        name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))
-    }
+    linears = {target_name(name) for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))}
     return linears - NOT_PROJECTIONS
 
 
@@ -448,7 +471,7 @@ def test_trainer_step_with_lora_on_the_familys_projection_names(converted, tmp_p
     assert projection_names(model) == set(targets)
     assert set(targets) <= set(PROJECTION_TARGET_MODULES)  # `lora_config()`'s default reaches every projection
     model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, modules_to_save=["attn_residual"]))
-    wrapped = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    wrapped = {target_name(name) for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert wrapped == set(targets)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     ids = prompt_ids(batch=4)
@@ -532,7 +555,7 @@ def test_remote_code_loads_every_family_without_attnres(converted, tmp_path):
         ("mllama_text_model", {}, "gated cross-attention layers"),
         ("moshi", {}, "speech-text model with a depth decoder"),
         ("blt", {}, "byte-level hierarchy"),
-        ("cpmant", {}, "attnres/families.py has no row"),
+        ("cpmant", {}, "bidirectional attention over the whole input"),
         ("gemma3", {}, "multimodal model: .* `gemma3_text` text decoder, which converts alone"),
         ("llama4", {}, "multimodal model: .* `llama4_text` text decoder, which converts alone"),
         ("qwen3_5", {}, "multimodal model: .* `qwen3_5_text` text decoder, which converts alone"),

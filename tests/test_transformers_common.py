@@ -520,6 +520,8 @@ FAMILY_FIELDS = {
     ),
     # Latent attention, whose keys and values have as many heads as its queries.
     **dict.fromkeys(("youtu", "minicpm3"), MLA),
+    # CTRL's default MLP is 8192 wide.
+    "ctrl": dict(dff=40),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's and Bamba's Mamba heads divide

@@ -248,6 +248,13 @@ REFUSED_MODEL_TYPES = {
         "global transformer over the patches an entropy model cuts, and a local decoder that cross-attends to the "
         "patch states: no single decoder stack"
     ),
+    # `CpmAntModel.forward` marks every token as context (`context = torch.full((batch, seq_length), 1)`), so
+    # `_prepare_attention_mask` (`context[:, None, :] | ...`) lets every unpadded token attend to every other; it
+    # prepends `prompt_length` prompt tokens and adds segment embeddings and a segment-relative bucketed position bias.
+    "cpmant": (
+        "bidirectional attention over the whole input, after prompt embeddings it prepends: every token is `context` "
+        "in its mask, so the logits at a position read the tokens after it: no causal decoder"
+    ),
     # Multimodal models (the encoders in each `*Model.__init__`) whose text decoder is a family of the table.
     "gemma3": _multimodal("a SigLIP vision tower and a projector", "gemma3_text", "Gemma3ForCausalLM"),
     "llama4": _multimodal("a vision encoder and a projector", "llama4_text", "Llama4ForCausalLM"),

@@ -291,6 +291,7 @@ class AttnResStage(nn.Module):
             self.model.output_residual = backbone.output_residual
             self.model.norm = backbone.norm
             self.lm_head = model.lm_head
+            self.prediction_head = model.prediction_head
         self.microbatch: int | None = None  # set by `CachingPipelineStage` around each forward
         self.recorded_router_logits: list[torch.Tensor] | None = None
         moe = FAMILIES[self.config.family].moe
@@ -388,7 +389,7 @@ class AttnResStage(nn.Module):
     def output(self, state: NamedTuple, context: DepthContext, router_logits: tuple[torch.Tensor, ...]):
         """The logits, and the load-balancing loss `[1]` where the model computes one."""
         hidden_states = pre_norm(self.model.norm, self.model.output_residual(state, context))
-        logits = family_logits(self.config, self.lm_head, hidden_states)
+        logits = family_logits(self.config, self.lm_head, hidden_states, self.prediction_head)
         if not self.layout.router_layers:
             return logits
         aux_loss = FAMILIES[self.config.family].load_balancing_loss(self.config, router_logits, None)
