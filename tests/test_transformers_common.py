@@ -504,6 +504,23 @@ FAMILY_FIELDS = {
     ),
     # Latent attention, whose keys and values have as many heads as its queries.
     **dict.fromkeys(("youtu", "minicpm3"), MLA),
+    # Attention heads as experts, two per token over each key head: the tester's 4 heads of 8 channels.
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
+    # A windowed layer, then a full one, each with the tester's heads; a dense MLP, then MoE with a shared expert.
+    "inkling_text": dict(
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=8,
+        sliding_window_size=4,
+        layer_types=["hybrid_sliding", "hybrid"],
+        d_rel=4,
+        rel_extent=8,
+        conv_kernel_size=3,
+        mlp_layer_types=["dense", "sparse"],
+        n_routed_experts=4,
+        n_shared_experts=1,
+        **MOE,
+    ),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's and Bamba's Mamba heads divide

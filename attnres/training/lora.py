@@ -27,7 +27,7 @@ PROJECTION_TARGET_MODULES = (
     "fc2", "input_linear", "output_linear", "q_gate_proj",
     "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "in_proj", "g_proj", "w1", "w2", "w3", "x_proj",
     "linear_x", "linear_y", "linear_out", "Wqkv", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
-    "a_proj", "f_proj", "fc1_latent_proj", "fc2_latent_proj",
+    "a_proj", "f_proj", "fc1_latent_proj", "fc2_latent_proj", "kv_proj", "r_proj",
 )
 """The attention, token-mixer and dense-MLP projections of every family (`families.py`): Llama's names, Phi-3's fused
 `qkv_proj` and `gate_up_proj`, StarCoder2's MLP (`c_fc`, `c_proj`), GPT-2's and GPT-BigCode's fused `c_attn`, OPT's,
@@ -42,7 +42,8 @@ multiplies by its weight, which an adapter would not reach; RecurrentGemma's rec
 attention output gate (`q_gate_proj`), MPT's fused `Wqkv` (with `out_proj`, `up_proj`, `down_proj`), BLOOM's,
 GPT-NeoX Japanese's and Persimmon's fused `query_key_value`, `dense`, `dense_h_to_4h` and `dense_4h_to_h`, OLMo
 Hybrid's Gated DeltaNet `a_proj`, Bailing's linear-attention `f_proj`, Nemotron-H's latent projections around its
-experts (`fc1_latent_proj`, `fc2_latent_proj`). MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and
+experts (`fc1_latent_proj`, `fc2_latent_proj`), JetMoE's key-value projection `kv_proj` (its query and output
+projections are experts), Inkling's projection of the states its relative position bias reads (`r_proj`). MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and
 any dense or shared-expert MLP."""
 
 
