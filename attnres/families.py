@@ -537,7 +537,9 @@ class Family:
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
-        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`).
+        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`;
+        JetMoE and Inkling from 5.25, the version tested, 5.16's JetMoE recording its attention's router logits
+        twice and 5.16's Inkling holding its embedding's norm apart).
     """
 
     model_type: str
@@ -1401,6 +1403,9 @@ FAMILIES = {
                 attention_router="self_attention.experts.router",
                 loss_coefficient="aux_loss_coef",
             ),
+            # Tested on 5.25; 5.16's model records its attention's router logits twice (by the attention and by the
+            # router), and its loss reads both.
+            since=(5, 25),
         ),
         # Inkling's text decoder: a normed embedding; attention with q/k norms and a relative position bias computed
         # from the hidden states (no RoPE), its keys and values through short convolutions, full in every sixth layer
@@ -1417,6 +1422,8 @@ FAMILIES = {
             moe=Moe("n_routed_experts", load_balancing_loss=False),
             parts=ModelParts("TextModel", "embed_tokens", None, "norm"),
             unpadded_vocab="unpadded_vocab_size",
+            # Tested on 5.25; in 5.16 its model holds the embedding's norm apart (`model.embed_norm`).
+            since=(5, 25),
         ),
         # Multi-head latent attention; the embedding, each branch and the LM head's input scaled (muP).
         Family(
