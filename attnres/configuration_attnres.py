@@ -313,7 +313,11 @@ class AttnResConfig(PreTrainedConfig):
         value and what is allowed. Runs on the given values before the family's config derives the others (a
         `head_dim`, `num_key_value_heads`, `block_size` or a hybrid's `layer_types` still `None` is derived
         later), and on the result."""
-        present = [name for name in _BOOL_FIELDS + _POSITIVE_INT_FIELDS + _NUMBER_FIELDS if hasattr(self, name)]
+        # A heterogeneous config's per-layer fields (Dots 3 Note's `per_layer_config`: attention shapes) are the family
+        # config's to check, layer by layer; reading one that varies raises.
+        per_layer = getattr(self, "per_layer_attributes", None) or set()
+        fields = [name for name in _BOOL_FIELDS + _POSITIVE_INT_FIELDS + _NUMBER_FIELDS if name not in per_layer]
+        present = [name for name in fields if hasattr(self, name)]
         # Sizes the family's modules derive where they are None (GPT-Neo's `intermediate_size`, 4 * hidden_size).
         defaults = _field_defaults(FAMILIES[self.family].config_class)
         derived = {name for name, default in defaults.items() if default is None}
@@ -357,12 +361,9 @@ class AttnResConfig(PreTrainedConfig):
             self._check_int_range("block_size", 1, sublayers, allowed)
         elif self.block_size is not None:
             self._check_positive_int("block_size")
-        heads = getattr(self, "num_attention_heads", None)
-        # A heterogeneous config's attention shapes vary per layer (Dots 3 Note's `per_layer_config`): the family's
-        # config checks them, layer by layer, and reading one here would raise.
-        per_layer = getattr(self, "per_layer_attributes", None) or set()
-        if heads is not None and not per_layer & {"num_attention_heads", "num_key_value_heads", "head_dim"}:
-            # the Mamba families have no attention
+        heterogeneous = per_layer & {"num_attention_heads", "num_key_value_heads", "head_dim"}
+        heads = None if heterogeneous else getattr(self, "num_attention_heads", None)
+        if heads is not None:  # the Mamba families have no attention
             if getattr(self, "num_key_value_heads", None) is not None:  # GPT-2's heads are all query and key heads
                 allowed = f"a positive divisor of num_attention_heads = {heads}"
                 self._check_int_range("num_key_value_heads", 1, heads, allowed)

@@ -53,8 +53,9 @@ class Sublayer:
         `Sublayer` of its own call, mask and multipliers, without a norm or modules of its own (Falcon-H1's attention
         beside its Mamba). A module the family's layer leaves out for the config (Granite 4's MoE without experts) is
         skipped, as the layer skips it.
-    mask: in a layer whose type has masks of several kinds (`HYBRID_MASKS`), the kind `module` reads: the causal mask
-        (`"full_attention"`) or the padding mask (`"linear_attention"`); `None` where the layer has one mask.
+    mask: in a layer whose type has masks of several kinds (`HYBRID_MASKS`, `HYBRID_SLIDING_MASKS`), the kind `module`
+        reads: the causal mask (`"full_attention"`), the windowed one (`"sliding_attention"`) or the padding mask
+        (`"linear_attention"`); `None` where the layer has one mask.
     input_multiplier, output_multiplier: the config fields of the scalars the family's layer multiplies the module's
         input and output by (Falcon-H1's `attention_in_multiplier` and `attention_out_multiplier`), or `None`.
     residual_argument: the keyword by which `module` takes the residual that it adds to its own output itself (MPT's
@@ -78,6 +79,12 @@ class Sublayer:
         the keywords where it passes the input as several arguments (CTRL's attention, as `v`, `k` and `q`); `None`
         where it passes the input by position (RecurrentGemma's temporal blocks, whose recurrent and attention blocks
         name it differently).
+    convolution: a short convolution the family's layer runs on the branch's output before it joins the residual
+        stream, called with the cache and the padding mask (`padding_mask`), or `None`: Inkling's `attn_sconv` and
+        `mlp_sconv`, each returning `y + conv(y)` for its input `y`, inside the branch, so the stream stays a plain sum.
+    padding_mask: the keyword by which the family's layer gives `convolution`, and an attention `module`, the padding
+        mask (the `"linear_attention"` kind among the layer's masks, `HYBRID_MASKS`) beside the attention mask:
+        Inkling's `conv_mask`, which its short convolutions read (its attention's of keys and values too); or `None`.
     """
 
     module: str
@@ -95,6 +102,8 @@ class Sublayer:
     threaded: str | None = None
     shared: tuple[str, str] | None = None
     input_argument: str | tuple[str, ...] | None = "hidden_states"
+    convolution: str | None = None
+    padding_mask: str | None = None
 
     @property
     def summands(self) -> tuple["Sublayer", ...]:
@@ -225,6 +234,19 @@ FALCON_H1_LAYER = {
         MAMBA_FEED_FORWARD,
     ),
 }
+# Inkling: full or windowed attention, then the MLP or MoE, each followed by a short convolution of its output; the
+# layer's causal mask by its attention's kind, and the padding mask for the convolutions.
+HYBRID_SLIDING_MASKS = "hybrid_sliding"
+INKLING_MLP = Sublayer(
+    "mlp", "post_attention_layernorm", call=FEED_FORWARD, convolution="mlp_sconv", padding_mask="conv_mask"
+)
+INKLING_LAYER = {
+    kind: (
+        Sublayer("self_attn", "input_layernorm", mask=mask, convolution="attn_sconv", padding_mask="conv_mask"),
+        INKLING_MLP,
+    )
+    for kind, mask in ((HYBRID_MASKS, "full_attention"), (HYBRID_SLIDING_MASKS, "sliding_attention"))
+}
 # Griffin's recurrent blocks between windowed attention layers, both under `temporal_block` and called alike
 # (RecurrentGemma).
 GRIFFIN = dict.fromkeys(
@@ -309,9 +331,15 @@ class Moe:
     gated_experts: each expert is a gated MLP, its gate and up projections stacked in `experts.gate_up_proj`; without
         a gate (Nemotron-H's), the experts hold `experts.up_proj` and `experts.down_proj` alone. Checkpoints that
         store one expert at a time are stacked into them as the family's conversion mapping does.
-    router_class: the router's class in the family's modeling module, by which the model records its logits, where
-        another family's router has the same name with its logits at another index (Llama 4's and Jamba's
-        `feed_forward.router`); `None` records them by the router's name.
+    router_class: the router's class in the family's modeling module, by which the model records its logits (those
+        of each router of that class, as the family's own model records them), where another family's router has the
+        same name with its logits at another index (Llama 4's and Jamba's `feed_forward.router`; the `mlp.router` of
+        GPT-OSS, Phi-3.5-MoE, Aria and AFMoE, and JetMoE's, whose logits are its fifth output); `None` records them by
+        the router's name.
+    attention_router: the router of a mixture of attention heads under a decoder layer, which runs before `router`
+        and whose logits the family's load-balancing loss reads too (JetMoE's `self_attention.experts.router`), or
+        `None`.
+    loss_coefficient: the config field of the coefficient of the load-balancing loss (JetMoE's `aux_loss_coef`).
     """
 
     experts: str = "num_local_experts"
@@ -322,19 +350,25 @@ class Moe:
     mixtral_experts: bool = True
     gated_experts: bool = True
     router_class: str | None = None
+    attention_router: str | None = None
+    loss_coefficient: str = "router_aux_loss_coef"
 
     @property
     def module(self) -> str:
         """The MoE module under a decoder layer, which holds the router and the experts."""
         return self.router.rpartition(".")[0]
 
-    def router_of(self, layer: nn.Module) -> nn.Module | None:
-        """The decoder layer's router, or `None` in a dense layer (DeepSeek-V3's first layers, Qwen's
-        `mlp_only_layers`), whose MLP has no such module."""
-        try:
-            return layer.get_submodule(self.router)
-        except AttributeError:
-            return None
+    def routers_of(self, layer: nn.Module) -> list[nn.Module]:
+        """The decoder layer's routers in the order they run: none in a dense layer (DeepSeek-V3's first layers, Qwen's
+        `mlp_only_layers`), whose MLP has no such module; JetMoE's attention router before its MoE's."""
+        names = (self.router,) if self.attention_router is None else (self.attention_router, self.router)
+        routers = []
+        for name in names:
+            try:
+                routers.append(layer.get_submodule(name))
+            except AttributeError:
+                pass
+        return routers
 
 
 MOE = Moe()
@@ -345,7 +379,7 @@ class ModelParts:
     """The modules of a family's model around its decoder layers, where they are not Llama's (a token embedding, a
     rotary embedding, a final norm of the family's class): GPT-2's learned positions added to the token embeddings,
     OPT's offset ones, OPT's final LayerNorm without an eps field, the Mamba families' embedding without a padding
-    row. The family's own model class, built without decoder layers, builds them, so they are the family's
+    row, Inkling's embedding with a norm inside. The family's own model class, built without decoder layers, builds them, so they are the family's
     construction; the AttnRes model holds them under its own names (`embed_tokens`, `embed_positions`, `norm`), to
     which `Family.checkpoint_renamings` renames the family's.
 
@@ -533,10 +567,16 @@ class Family:
         output before its LM head (ModernBERT's decoder: `PredictionHead`, a dense layer, its activation and a
         LayerNorm, held as `lm_head` beside the LM head `decoder`), or `None`. The AttnRes causal LM holds it as
         `prediction_head`, to which `checkpoint_renamings` renames the family's name for it.
+    unpadded_vocab: the config field of the number of logits the family's `*ForCausalLM` keeps of its LM head's, the
+        rest being padding rows it drops (Inkling's `unpadded_vocab_size`; the field's `None` keeps them all), or
+        `None`.
     since: the first Transformers version the row holds for; with an older one the family has no row (AFMoE and Aria
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
-        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`; ModernBERT's decoder from 5.25, its loss).
+        its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`;
+        JetMoE, Inkling and ModernBERT's decoder from 5.25, the version tested, 5.16's JetMoE recording its
+        attention's router logits twice, 5.16's Inkling holding its embedding's norm apart and 5.16's ModernBERT
+        decoder computing its loss with a loss of its own).
     """
 
     model_type: str
@@ -585,6 +625,7 @@ class Family:
     boolean_mask: bool = False
     lm_head_bias: str | bool | None = None
     prediction_head: str | None = None
+    unpadded_vocab: str | None = None
     since: tuple[int, int] = (5, 16)
 
     # A plain property (the import is a lookup in `sys.modules` after the first): vLLM's server pickles the config's
@@ -982,7 +1023,13 @@ FAMILIES = {
             embedding_dropout="embedding_dropout",
         ),
         Family("deepseek_v3", "deepseek_v3", "DeepseekV3", moe=NO_LOAD_BALANCING_LOSS),
-        Family("gpt_oss", "gpt_oss", "GptOss", llama_norm=False, moe=Moe(router="mlp.router", mixtral_experts=False)),
+        Family(
+            "gpt_oss",
+            "gpt_oss",
+            "GptOss",
+            llama_norm=False,
+            moe=Moe(router="mlp.router", mixtral_experts=False, router_class="GptOssTopKRouter"),
+        ),
         Family("glm4_moe", "glm4_moe", "Glm4Moe", moe=NO_LOAD_BALANCING_LOSS),
         Family("olmoe", "olmoe", "Olmoe", moe=Moe("num_experts")),
         Family(
@@ -1030,6 +1077,7 @@ FAMILIES = {
                 router="mlp.router",
                 load_balancing_loss=False,
                 mixtral_experts=False,
+                router_class="AriaTextTopKRouter",
             ),
             since=(5, 19),
         ),
@@ -1086,7 +1134,12 @@ FAMILIES = {
             AFMOE_NORMS,
             llama_norm=False,
             mup_embedding_scale="mup_enabled",
-            moe=Moe("num_experts", router="mlp.router", load_balancing_loss=False),
+            moe=Moe(
+                "num_experts",
+                router="mlp.router",
+                load_balancing_loss=False,
+                router_class="AfmoeTokenChoiceRouter",
+            ),
             since=(5, 19),
         ),
         Family(
@@ -1163,7 +1216,7 @@ FAMILIES = {
             "Phimoe",
             norm=LAYER_NORM,
             llama_norm=False,
-            moe=Moe(router="mlp.router"),
+            moe=Moe(router="mlp.router", router_class="PhimoeTopKRouter"),
             lm_head_bias="lm_head_bias",
         ),
         # Grouped sigmoid routing with a routing bias, and no loss.
@@ -1388,6 +1441,44 @@ FAMILIES = {
             "Kolibri1",
             GLM4_NORMS,
             moe=NO_LOAD_BALANCING_LOSS,
+        ),
+        # JetMoE: a mixture of attention heads (experts of query and output projections over shared keys and values,
+        # its own router) and an MoE, each with an output bias; the layers' norms at their class's eps, the final one
+        # at the config's.
+        Family(
+            "jetmoe",
+            "jetmoe",
+            "JetMoe",
+            (Sublayer("self_attention", "input_layernorm"), PRE_NORM[1]),
+            moe=Moe(
+                router="mlp.router",
+                logits_index=4,
+                mixtral_experts=False,
+                router_class="JetMoeTopKGating",
+                attention_router="self_attention.experts.router",
+                loss_coefficient="aux_loss_coef",
+            ),
+            # Tested on 5.25; 5.16's model records its attention's router logits twice (by the attention and by the
+            # router), and its loss reads both.
+            since=(5, 25),
+        ),
+        # Inkling's text decoder: a normed embedding; attention with q/k norms and a relative position bias computed
+        # from the hidden states (no RoPE), its keys and values through short convolutions, full in every sixth layer
+        # and windowed in the others; dense layers among MoE ones with shared experts, routed with a bias and no loss;
+        # each branch through a short convolution; the LM head's input divided by its muP width, its padding logits
+        # dropped.
+        Family(
+            "inkling_text",
+            "inkling",
+            "Inkling",
+            layer_sublayers=INKLING_LAYER,
+            rotary_embedding=None,
+            head_input_divisor="logits_mup_width_multiplier",
+            moe=Moe("n_routed_experts", load_balancing_loss=False),
+            parts=ModelParts("TextModel", "embed_tokens", None, "norm"),
+            unpadded_vocab="unpadded_vocab_size",
+            # Tested on 5.25; in 5.16 its model holds the embedding's norm apart (`model.embed_norm`).
+            since=(5, 25),
         ),
         # Multi-head latent attention; the embedding, each branch and the LM head's input scaled (muP).
         Family(

@@ -43,6 +43,7 @@ from .families import (
     FAMILIES,
     FEED_FORWARD,
     HYBRID_MASKS,
+    HYBRID_SLIDING_MASKS,
     PositionTable,
     RECURRENT,
     Family,
@@ -92,11 +93,23 @@ def pre_norm(norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput)
 
 def no_mask(*args, **kwargs) -> None:
     return None
+
+
 def hybrid_masks(config: AttnResConfig, *args, **kwargs) -> dict[str, torch.Tensor | None]:
-    """The masks of a layer whose attention and recurrent mixer sit side by side (Falcon-H1's `hybrid` layers), by the
-    kind each reads (`Sublayer.mask`): the attention's causal mask and the mixer's padding mask."""
+    """The masks of a layer whose attention and recurrent mixer sit side by side (Falcon-H1's `hybrid` layers), or
+    whose attention and short convolutions read both (Inkling's full-attention layers), by the kind each reads
+    (`Sublayer.mask`, `Sublayer.padding_mask`): the attention's causal mask and the padding mask."""
     return {
         "full_attention": create_causal_mask(config, *args, **kwargs),
+        "linear_attention": create_recurrent_attention_mask(config, *args, **kwargs),
+    }
+
+
+def hybrid_sliding_masks(config: AttnResConfig, *args, **kwargs) -> dict[str, torch.Tensor | None]:
+    """The masks of Inkling's windowed layers (`hybrid_sliding`), by kind: the attention's windowed causal mask and
+    the short convolutions' padding mask."""
+    return {
+        "sliding_attention": create_sliding_window_causal_mask(config, *args, **kwargs),
         "linear_attention": create_recurrent_attention_mask(config, *args, **kwargs),
     }
 
@@ -125,7 +138,8 @@ def attention_masks(
         # Nemotron-H's layers of an MLP or an MoE alone, which read no mask.
         "mlp": no_mask,
         "moe": no_mask,
-        HYBRID_MASKS: hybrid_masks,  # Falcon-H1's layers: attention and Mamba side by side
+        HYBRID_MASKS: hybrid_masks,  # Falcon-H1's layers: attention and Mamba side by side; Inkling's full layers
+        HYBRID_SLIDING_MASKS: hybrid_sliding_masks,  # Inkling's windowed layers
     }
     # The cache positionally: Transformers 5.20 renamed the argument (transformers_compat.py).
     return {
@@ -237,14 +251,18 @@ def family_logits(
     prediction_head: nn.Module | None = None,
 ) -> torch.Tensor:
     """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input through
-    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling`, the logits divided by Granite's
-    `logits_scaling`, multiplied by HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping`."""
+    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling` or Inkling's muP width, the
+    logits of Inkling's padding rows dropped, divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
+    soft-capped by Gemma's `final_logit_softcapping`."""
     family = FAMILIES[config.family]
     if prediction_head is not None:
         hidden_states = prediction_head(hidden_states)
     if family.head_input_divisor is not None:
         hidden_states = hidden_states / family.config_value(config, family.head_input_divisor)
     logits = lm_head(hidden_states)
+    unpadded = getattr(config, family.unpadded_vocab) if family.unpadded_vocab else None
+    if unpadded is not None and unpadded < logits.shape[-1]:
+        logits = logits[..., :unpadded]
     if family.logits_divisor is not None:
         logits = logits / getattr(config, family.logits_divisor)
     if family.logits_multiplier is not None:
@@ -300,8 +318,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if family.llama_norm:  # the same function, fused with the depth step in front of it
             for sublayer in self.sublayers:
                 # Only where the layer holds the family's norm: A.X K2's MoE layers gate theirs.
-                if sublayer.pre_norm is not None and type(getattr(self, sublayer.pre_norm)) is family.norm_class:
-                    self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm_eps(config)))
+                norm = getattr(self, sublayer.pre_norm) if sublayer.pre_norm is not None else None
+                if type(norm) is family.norm_class:  # at the norm's own eps: JetMoE's layers keep the class default
+                    self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm.variance_epsilon))
         self.residual_multiplier = None
         if family.residual_multiplier is not None:
             self.residual_multiplier = getattr(config, family.residual_multiplier)
@@ -401,7 +420,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 self.recorded_input(hidden_states)
             sublayer_input = self.sublayer_input(sublayer, hidden_states)
             output = self.sublayer_output(summands, sublayer_input, **inputs)
-            state = mixer.absorb(self.branch_output(sublayer, output, sublayer_input.shape), state, depth_context)
+            output = self.branch_output(sublayer, output, sublayer_input.shape, attention_mask, cache)
+            state = mixer.absorb(output, state, depth_context)
         if depth_layout is None:
             return state
         tensors, layout = flatten_state(state)
@@ -428,18 +448,31 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         padding mask, both with the cache; an MLP or MoE on the hidden states alone; a zero residual where the module
         adds one itself (`Sublayer.residual_argument`). With modules summed beside it (`Sublayer.summands`), the sum
         of their outputs in order, of those the family's layer built, each called its own way, on its kind of mask
-        where the layer has several (`Sublayer.mask`), its input and output times the family's multipliers."""
+        where the layer has several (`Sublayer.mask`; an attention given the padding mask too where the family's reads
+        it, `Sublayer.padding_mask`), its input and output times the family's multipliers."""
         outputs = []
         for part in summands:
             module = getattr(self, part.module, None)
             if module is None:
                 continue
             mask = attention_mask[part.mask] if part.mask is not None else attention_mask
+            part_kwargs = kwargs
+            if part.padding_mask is not None and part.call == ATTENTION:
+                part_kwargs = dict(kwargs, **{part.padding_mask: attention_mask["linear_attention"]})
             inputs = hidden_states
             if part.input_multiplier is not None:
                 inputs = inputs * self.multipliers[part.input_multiplier]
             output = self.module_output(
-                part, module, inputs, mask, position_embeddings, position_ids, cache, attention_bias, threaded, kwargs
+                part,
+                module,
+                inputs,
+                mask,
+                position_embeddings,
+                position_ids,
+                cache,
+                attention_bias,
+                threaded,
+                part_kwargs,
             )
             if part.output_multiplier is not None:
                 output = output * self.multipliers[part.output_multiplier]
@@ -498,14 +531,25 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         bias = outputs[sublayer.output_bias] if sublayer.output_bias is not None else None
         return outputs[0] if bias is None else outputs[0] + bias
 
-    def branch_output(self, sublayer: Sublayer, output: torch.Tensor | tuple, shape: torch.Size) -> torch.Tensor:
+    def branch_output(
+        self,
+        sublayer: Sublayer,
+        output: torch.Tensor | tuple,
+        shape: torch.Size,
+        attention_mask: torch.Tensor | dict | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
         """The sublayer's output v_l as it joins the stream: the module's first output where it returns more (GPT-OSS's
-        and Llama 4's MoE return their router scores or logits beside it), through its post-norm or residual dropout
-        (or the rest of OPT's MLP) and the dropout the family's layer applies as a function (GPT-NeoX Japanese), in the
-        `shape` of the module's input (Llama 4's MoE returns one row per token), and scaled by the family's residual
+        and Llama 4's MoE return their router scores or logits beside it), through the family's short convolution of
+        the branch with the cache and the layer's padding mask (Inkling's), its post-norm or residual dropout (or the
+        rest of OPT's MLP) and the dropout the family's layer applies as a function (GPT-NeoX Japanese), in the `shape`
+        of the module's input (Llama 4's MoE returns one row per token), and scaled by the family's residual
         multiplier (Granite)."""
         if isinstance(output, tuple):
             output = output[0]
+        if sublayer.convolution is not None:
+            padding_mask = {sublayer.padding_mask: attention_mask["linear_attention"]}
+            output = getattr(self, sublayer.convolution)(output, **{CACHE_NAME: cache}, **padding_mask)
         for name in sublayer.post:
             output = getattr(self, name)(output)
         if sublayer.dropout is not None:
@@ -913,14 +957,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.lm_head.out_features, **kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
             loss = with_family_z_loss(self.config, loss, logits)
 
         aux_loss = None
         if output_router_logits:
             aux_loss = self.family.load_balancing_loss(self.config, outputs.router_logits, attention_mask)
             if labels is not None and aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + getattr(self.config, self.family.moe.loss_coefficient) * aux_loss.to(loss.device)
 
         return output_with_cache(
             MoeCausalLMOutputWithPast,

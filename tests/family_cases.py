@@ -294,8 +294,8 @@ CASES = {
             layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
             sliding_window=4,
             shared_experts_intermediate_size=32,
-            swa_num_attention_heads=4,
-            swa_num_key_value_heads=4,
+            swa_num_attention_heads=2,
+            swa_num_key_value_heads=2,
             swa_q_lora_rank=24,
             swa_kv_lora_rank=8,
             swa_head_dim=24,
@@ -792,6 +792,38 @@ CASES = {
             sliding_window=4,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             head_dim=16,
+        ),
+    ),
+    # A mixture of attention heads and an MoE, both routed; the final norm's eps, the config's, other than the layers'
+    # norms' (their class's default).
+    "jetmoe": (
+        "jetmoe",
+        dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16, rms_norm_eps=1e-5, aux_loss_coef=0.1),
+    ),
+    # Windowed, full and windowed layers, each branch through a short convolution; relative position biases over
+    # fewer positions than the prompts, the full layer's queries scaled up past position 4; a dense layer, then MoE
+    # with a shared expert; the LM head padded past the 128 tokens of its vocabulary.
+    "inkling_text": (
+        "inkling_text",
+        dict(
+            head_dim=16,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            swa_head_dim=16,
+            sliding_window_size=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+            d_rel=4,
+            rel_extent=8,
+            log_scaling_n_floor=4,
+            conv_kernel_size=3,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            logits_mup_width_multiplier=4.0,
+            vocab_size=136,
+            unpadded_vocab_size=128,
         ),
     ),
     # Latent attention; the embedding scaled by `scale_emb`, each branch by scale_depth / sqrt(layers), the LM head's

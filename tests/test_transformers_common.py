@@ -105,13 +105,12 @@ class AttnResCommonTests(ModelTesterMixin, GenerationTesterMixin):
         # config holds those.
         aliases = FAMILIES[self.config_overrides.get("family", "llama")].config_class.attribute_map
         shape = dict(hidden_size=40, num_attention_heads=4, num_key_value_heads=2)
-        self.config_tester = ConfigTester(
-            self,
-            config_class=AttnResConfig,
+        fields = {
             **{aliases.get(name, name): value for name, value in shape.items()},
             **self.config_overrides,
             **CONFIG_TESTER_FIELDS.get(self.config_overrides.get("family"), {}),
-        )
+        }
+        self.config_tester = ConfigTester(self, config_class=AttnResConfig, **fields)
 
     def test_config(self):
         self.config_tester.run_common_tests(can_init_without_params=self.family_config_inits_quietly)
@@ -195,9 +194,10 @@ FAMILY_OWN_FAILURES = {
 }
 
 
-# Class attributes the family's own test class sets. DeepSeek-V3.2's, Dots 3 Note's, A.X K2's, GLM-5's and
-# MiniMax-M3's sparse attention picks its keys with an indexer whose top-k passes no gradient to the indexer's weights
-# (the family's own model leaves them without one too); the Mamba families have no attention.
+# Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's, GLM-5's and MiniMax-M3's sparse
+# attention picks its keys with an indexer whose top-k passes no gradient to the indexer's weights (the family's own
+# model leaves them without one too; Dots 3 Note's, the same indexer, whose own tests do not train); the Mamba families
+# have no attention.
 FAMILY_TEST_ATTRIBUTES = {
     **dict.fromkeys(
         ("deepseek_v32", "dots3_note_text", "axk2", "glm_moe_dsa", "minimax_m3_vl_text"),
@@ -341,6 +341,7 @@ FAMILY_FIELDS = {
         layer_types=["indexed_attention", "sliding_attention"],
         sliding_window=4,
         shared_experts_intermediate_size=16,
+        swa_num_attention_heads=4,
         swa_num_key_value_heads=4,
         swa_q_lora_rank=24,
         swa_kv_lora_rank=8,
@@ -522,6 +523,23 @@ FAMILY_FIELDS = {
     **dict.fromkeys(("youtu", "minicpm3"), MLA),
     # CTRL's default MLP is 8192 wide.
     "ctrl": dict(dff=40),
+    # Attention heads as experts, two per token over each key head: the tester's 4 heads of 8 channels.
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
+    # A windowed layer, then a full one, each with the tester's heads; a dense MLP, then MoE with a shared expert.
+    "inkling_text": dict(
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=8,
+        sliding_window_size=4,
+        layer_types=["hybrid_sliding", "hybrid"],
+        d_rel=4,
+        rel_extent=8,
+        conv_kernel_size=3,
+        mlp_layer_types=["dense", "sparse"],
+        n_routed_experts=4,
+        n_shared_experts=1,
+        **MOE,
+    ),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's and Bamba's Mamba heads divide
@@ -535,6 +553,9 @@ CONFIG_TESTER_FIELDS = {
     "deepseek_v2": dict(num_experts_per_tok=2),
     # Kolibri 1.1's indexer heads, at most the query heads of a key head (2 in the shape above; its default is 12).
     "kolibri1_1": dict(index_num_heads=2),
+    # Dots 3 Note's heads as its windowed layers have them by default (64 query and key heads, as many of each): with
+    # other heads in its other layers the config holds no global head count, which the config tests read.
+    "dots3_note_text": dict(num_attention_heads=64, num_key_value_heads=64),
 }
 
 

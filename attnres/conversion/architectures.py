@@ -406,7 +406,7 @@ class TensorRenamer:
         moe = FAMILIES[config.family].moe
         self.num_experts = getattr(config, moe.experts) if moe else 0
         self.expert_parts = ("gate", "up", "down") if moe is None or moe.gated_experts else ("up", "down")
-        self.tied = config.tie_word_embeddings
+        self.tied = getattr(config, "tie_word_embeddings", False)  # as Transformers reads it: Inkling's has no field
         self.renamings = checkpoint_renamings(config.family)
         self.family_renamings = [
             (re.compile(pattern), replacement) for pattern, replacement in FAMILIES[config.family].checkpoint_renamings

@@ -259,7 +259,7 @@ def write_weights(
     """
     with torch.device("meta"):
         expected = {name: tensor.shape for name, tensor in AttnResForCausalLM(config).state_dict().items()}
-    if config.tie_word_embeddings:
+    if getattr(config, "tie_word_embeddings", False):  # as Transformers reads it: Inkling's config has no field
         expected.pop("lm_head.weight", None)
 
     adds_depth_parameters = isinstance(rename, TensorRenamer)

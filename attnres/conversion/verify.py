@@ -224,6 +224,13 @@ def _probes(tokenizer, vocab_size: int, text: str | None, max_text_tokens: int) 
 
 
 @torch.no_grad()
+def _predicted_vocab_size(model: PreTrainedModel) -> int:
+    """The number of token ids the model computes logits for, those the probes may hold: the vocabulary, less the
+    padding rows of a head whose logits the family drops (Inkling's `unpadded_vocab_size`)."""
+    return model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False).logits.shape[-1]
+
+
+@torch.no_grad()
 def _run(model: PreTrainedModel, probes: _Probes, generation_config: GenerationConfig) -> _Outputs:
     logits = [model(input_ids=ids[None], use_cache=False).logits[0].float() for ids in probes.prompt_ids]
     text_logits = model(input_ids=probes.text_ids[None], use_cache=False).logits[0].float()
@@ -284,8 +291,9 @@ def verify_conversion(
     tokenizer = AutoTokenizer.from_pretrained(source) if has_tokenizer(source) else None
 
     model = causal_lm_class(source).from_pretrained(source, dtype=weights_dtype or dtype).to(dtype)
-    check_verification_text(source, model.config.vocab_size, text, f"source={str(source)!r}")
-    probes = _probes(tokenizer, model.config.vocab_size, text, max_text_tokens)
+    vocab_size = _predicted_vocab_size(model)
+    check_verification_text(source, vocab_size, text, f"source={str(source)!r}")
+    probes = _probes(tokenizer, vocab_size, text, max_text_tokens)
     eos = model.generation_config.eos_token_id
     pad = model.generation_config.pad_token_id
     generation_config = GenerationConfig(

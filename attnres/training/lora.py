@@ -28,7 +28,7 @@ PROJECTION_TARGET_MODULES = (
     "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "in_proj", "g_proj", "w1", "w2", "w3", "x_proj",
     "linear_x", "linear_y", "linear_out", "Wqkv", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
     "a_proj", "f_proj", "fc1_latent_proj", "fc2_latent_proj", "Wi", "Wo", "Wq", "Wk", "Wv",
-    "ffn.0", "ffn.2",
+    "ffn.0", "ffn.2", "kv_proj", "r_proj",
 )
 """The attention, token-mixer and dense-MLP projections of every family (`families.py`): Llama's names, Phi-3's fused
 `qkv_proj` and `gate_up_proj`, StarCoder2's MLP (`c_fc`, `c_proj`), GPT-2's and GPT-BigCode's fused `c_attn`, OPT's,
@@ -45,7 +45,10 @@ GPT-NeoX Japanese's and Persimmon's fused `query_key_value`, `dense`, `dense_h_t
 Hybrid's Gated DeltaNet `a_proj`, Bailing's linear-attention `f_proj`, Nemotron-H's latent projections around its
 experts (`fc1_latent_proj`, `fc2_latent_proj`), ModernBERT decoder's attention output `Wo` and gated MLP `Wi`, `Wo`
 (its prediction head's `dense` too), CTRL's `Wq`, `Wk`, `Wv`, `dense` and its MLP, an `nn.Sequential` whose linear
-layers are named by their index (`ffn.0`, `ffn.2`: an index alone would name decoder layers too). MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and
+layers are named by their index (`ffn.0`, `ffn.2`: an index alone would name decoder layers too), JetMoE's key-value
+projection `kv_proj` (its query and output projections are experts), Inkling's projection of the states its relative
+position bias reads (`r_proj`). MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which
+these names do not reach: there LoRA adapts the attention and
 any dense or shared-expert MLP."""
 
 

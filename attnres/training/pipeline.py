@@ -80,7 +80,8 @@ class PipelineLayout(NamedTuple):
     num_ranks: the pipeline's processes.
     layer_offsets: the sublayers before each decoder layer, L last (`AttnResConfig.layer_offsets`, docs/design.md §1).
     block_size: sublayers per block, or `None` in standard mode, whose state is the residual stream alone.
-    router_layers: the layers whose router logits the load-balancing loss reads (none unless the model computes it).
+    router_layers: the layers whose router logits the load-balancing loss reads (none unless the model computes it),
+        each once per router it runs (JetMoE's layers run two).
     """
 
     stage_layers: tuple[range, ...]
@@ -104,7 +105,7 @@ class PipelineLayout(NamedTuple):
             raise ValueError(
                 f"residual_mode={mode!r}: pipeline stages split the standard, Block and Full AttnRes models only"
             )
-        if config.tie_word_embeddings:
+        if getattr(config, "tie_word_embeddings", False):
             raise ValueError(
                 "tie_word_embeddings=True: the first stage's embedding and the last stage's LM head would be one "
                 "weight on two ranks; pipeline stages split untied models only"
@@ -134,7 +135,7 @@ class PipelineLayout(NamedTuple):
         moe = FAMILIES[config.family].moe
         with_aux_loss = bool(moe and moe.load_balancing_loss and config.output_router_logits)
         routers = tuple(
-            i for i, layer in enumerate(model.model.layers) if with_aux_loss and moe.router_of(layer) is not None
+            i for i, layer in enumerate(model.model.layers) if with_aux_loss for _ in moe.routers_of(layer)
         )
         return cls(layers, num_ranks, config.layer_offsets, block_size, routers)
 
@@ -297,7 +298,8 @@ class AttnResStage(nn.Module):
         moe = FAMILIES[self.config.family].moe
         for index in layout.stage_layers[stage]:
             if index in layout.router_layers:
-                moe.router_of(backbone.layers[index]).register_forward_hook(self.record_router_logits)
+                for router in moe.routers_of(backbone.layers[index]):
+                    router.register_forward_hook(self.record_router_logits)
 
     def record_router_logits(self, module: nn.Module, args: tuple, output: tuple) -> None:
         """Forward hook on a router: its logits, while this stage's forward runs (not in a checkpointed layer's
@@ -499,7 +501,7 @@ class PipelineLoss:
         self.config = config
         self.vocab_size = config.vocab_size
         moe = FAMILIES[config.family].moe
-        self.router_aux_loss_coef = config.router_aux_loss_coef if moe and moe.load_balancing_loss else None
+        self.router_aux_loss_coef = getattr(config, moe.loss_coefficient) if moe and moe.load_balancing_loss else None
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         logits, aux_loss = output if isinstance(output, tuple) else (output, None)
