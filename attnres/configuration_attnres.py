@@ -4,6 +4,7 @@ be replaced by softmax attention over depth (Kimi Team, "Attention Residuals", a
 import dataclasses
 import functools
 import math
+import operator
 
 import transformers
 from huggingface_hub.errors import StrictDataclassClassValidationError
@@ -292,15 +293,20 @@ class AttnResConfig(PreTrainedConfig):
         """The MoE family's expert-parallel plan; a dense family has no experts to place."""
         return FAMILIES[self.family].ep_plan
 
+    def _value(self, field: str):
+        """The value of `field`: a field, or a sub-config's by its dotted path (DBRX's `ffn_config.moe_num_experts`,
+        `families.Moe`)."""
+        return operator.attrgetter(field)(self)
+
     def _fail(self, field: str, allowed: str) -> None:
-        raise ValueError(f"AttnResConfig.{field}={getattr(self, field)!r}: must be {allowed}")
+        raise ValueError(f"AttnResConfig.{field}={self._value(field)!r}: must be {allowed}")
 
     def _check_positive_int(self, field: str) -> None:
-        if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+        if not _is_int(self._value(field)) or self._value(field) < 1:
             self._fail(field, "a positive integer")
 
     def _check_int_range(self, field: str, low: int, high: float, allowed: str) -> None:
-        if not _is_int(getattr(self, field)) or not low <= getattr(self, field) <= high:
+        if not _is_int(self._value(field)) or not low <= self._value(field) <= high:
             self._fail(field, allowed)
 
     def _check_number(self, field: str, low: float, high: float = math.inf) -> None:
@@ -378,11 +384,12 @@ class AttnResConfig(PreTrainedConfig):
                     self._fail("hidden_size", allowed)
             elif not _is_int(self.head_dim) or self.head_dim < 2 or self.head_dim % 2:
                 self._fail("head_dim", "a positive even integer (rotary embeddings rotate pairs of channels)")
-        if family.moe:
+        # Fields of a sub-config (DBRX's `ffn_config`) once the family's config has built it from what was given.
+        if family.moe and ("." not in family.moe.experts or vars(self).get(_FAMILY_BUILT)):
             experts = family.moe.experts
             self._check_positive_int(experts)
-            allowed = f"an integer from 1 to {experts} = {getattr(self, experts)}"
-            self._check_int_range(family.moe.top_k, 1, getattr(self, experts), allowed)
+            allowed = f"an integer from 1 to {experts} = {self._value(experts)}"
+            self._check_int_range(family.moe.top_k, 1, self._value(experts), allowed)
         # A window that the family's config derives (ModernBERT decoder's, from `local_attention`) is checked derived.
         windowed = "sliding_attention" in layer_types(self)
         if windowed and ("sliding_window" in vars(self) or vars(self).get(_FAMILY_BUILT)):

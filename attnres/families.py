@@ -17,6 +17,7 @@ This file is copied flat into remote-code checkpoints, so it imports only torch 
 
 import copy
 import importlib
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +37,10 @@ FEED_FORWARD = "feed_forward"  # an MLP or MoE: hidden_states alone
 
 @dataclass(frozen=True)
 class Sublayer:
-    """One sublayer of a decoder layer, by the names of the family's decoder-layer modules that make it.
+    """One sublayer of a decoder layer, by the names of the family's decoder-layer modules that make it: each a name,
+    or a dotted path where the family's layer holds the module inside one of its own that also computes a residual
+    add (DBRX's `norm_attn_norm`, which holds the attention between the norms before each branch and adds the
+    attention's output to its input), so that the model calls the modules inside one by one instead.
 
     module: the module that computes the branch: the attention (`self_attn`), a linear attention (`linear_attn`), a
         short convolution (`conv`), the MLP or MoE (`mlp`).
@@ -319,7 +323,9 @@ class Moe:
     router logits, its load-balancing loss and its parallel plans are the family's.
 
     experts: the config field the family's `*ForCausalLM` reads its number of experts from (`num_local_experts`,
-        Qwen2-MoE's and OLMoE's `num_experts`).
+        Qwen2-MoE's and OLMoE's `num_experts`). This field, `top_k` and `loss_coefficient` may be dotted paths into a
+        sub-config, where the family's config keeps its MoE settings in one (DBRX's `ffn_config.moe_num_experts`); they
+        are read with `Family.config_value`.
     top_k: the config field of the number of experts each token is routed to (Aria's `moe_topk`).
     router: the router's module under a decoder layer (`mlp.gate`; GPT-OSS's `mlp.router`); its output
         `logits_index` holds the router logits the model records.
@@ -642,10 +648,11 @@ class Family:
         return getattr(self.modeling, self.prefix + suffix)
 
     def config_value(self, config, name: str):
-        """The family's config value `name` for `config`: a field, or a property of the family's config class
-        (MiniCPM3's `logits_scaling`), which `config` does not have but holds the fields of."""
+        """The family's config value `name` for `config`: a field, a field of a sub-config by its dotted path (DBRX's
+        `ffn_config.moe_loss_weight`), or a property of the family's config class (MiniCPM3's `logits_scaling`),
+        which `config` does not have but holds the fields of."""
         attribute = getattr(self.config_class, name, None)
-        return attribute.fget(config) if isinstance(attribute, property) else getattr(config, name)
+        return attribute.fget(config) if isinstance(attribute, property) else operator.attrgetter(name)(config)
 
     @property
     def norm_class(self) -> type[nn.Module]:
@@ -773,8 +780,8 @@ class Family:
         `None` where the family has none."""
         if not (self.moe and self.moe.load_balancing_loss):
             return None
-        experts = getattr(config, self.moe.experts)
-        top_k = getattr(config, self.moe.top_k)
+        experts = self.config_value(config, self.moe.experts)
+        top_k = self.config_value(config, self.moe.top_k)
         return self.modeling.load_balancing_loss_func(router_logits, experts, top_k, attention_mask)
 
     def model_parts(self, config) -> nn.Module | None:
@@ -872,6 +879,14 @@ XGLM = dict(
     parts=ModelParts("Model", "embed_tokens", "embed_positions", "layer_norm"),
     checkpoint_renamings=((r"^model\.layer_norm\.", "model.norm."),),
 )
+# The modules of MPT's and DBRX's models, under `transformer`: the embedding `wte`, the layers `blocks` and the final
+# norm `norm_f`.
+BLOCKS_PARTS = ModelParts(tokens="wte", positions=None, norm="norm_f")
+BLOCKS_RENAMINGS = (
+    (r"^(transformer\.)?wte\.", "model.embed_tokens."),
+    (r"^(transformer\.)?blocks\.", "model.layers."),
+    (r"^(transformer\.)?norm_f\.", "model.norm."),
+)
 # MPT: ALiBi over `max_seq_len` positions that its model builds once, the causal mask handed over as booleans,
 # LayerNorms without bias, an MLP that adds the residual itself; the layers under `transformer.blocks`.
 MPT = dict(
@@ -884,12 +899,8 @@ MPT = dict(
     llama_norm=False,
     rotary_embedding=None,
     decoder_layer="Block",
-    parts=ModelParts("Model", "wte", None, "norm_f"),
-    checkpoint_renamings=(
-        (r"^(transformer\.)?wte\.", "model.embed_tokens."),
-        (r"^(transformer\.)?blocks\.", "model.layers."),
-        (r"^(transformer\.)?norm_f\.", "model.norm."),
-    ),
+    parts=BLOCKS_PARTS,
+    checkpoint_renamings=BLOCKS_RENAMINGS,
     attention_bias=AttentionBias("position_bias", "build_mpt_alibi_tensor", max_positions="max_seq_len"),
     boolean_mask=True,
 )
@@ -1553,6 +1564,32 @@ FAMILIES = {
                 (r"^(transformer\.)?layernorm\.", "model.norm."),
             ),
             lm_head_bias=True,
+        ),
+        # DBRX: each block's `norm_attn_norm` holds the attention (fused `Wqkv`, clipped) between the LayerNorms
+        # (without bias) before each branch and adds the attention's output itself, so its modules are called one by
+        # one; a dropout after each branch; the MoE under `ffn`, its settings in the config's `ffn_config`, its
+        # experts three stacked matrices; the layers under `transformer.blocks`.
+        Family(
+            "dbrx",
+            "dbrx",
+            "Dbrx",
+            (
+                Sublayer("norm_attn_norm.attn", "norm_attn_norm.norm_1", dropout="resid_pdrop"),
+                Sublayer("ffn", "norm_attn_norm.norm_2", call=FEED_FORWARD, dropout="resid_pdrop"),
+            ),
+            norm=LAYER_NORM,
+            norm_eps=None,
+            llama_norm=False,
+            decoder_layer="Block",
+            moe=Moe(
+                "ffn_config.moe_num_experts",
+                top_k="ffn_config.moe_top_k",
+                router="ffn.router",
+                mixtral_experts=False,
+                loss_coefficient="ffn_config.moe_loss_weight",
+            ),
+            parts=BLOCKS_PARTS,
+            checkpoint_renamings=BLOCKS_RENAMINGS,
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since

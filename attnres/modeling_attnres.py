@@ -318,9 +318,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if family.llama_norm:  # the same function, fused with the depth step in front of it
             for sublayer in self.sublayers:
                 # Only where the layer holds the family's norm: A.X K2's MoE layers gate theirs.
-                norm = getattr(self, sublayer.pre_norm) if sublayer.pre_norm is not None else None
+                norm = self.module_at(sublayer.pre_norm) if sublayer.pre_norm is not None else None
                 if type(norm) is family.norm_class:  # at the norm's own eps: JetMoE's layers keep the class default
-                    self.add_module(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm.variance_epsilon))
+                    self.set_submodule(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm.variance_epsilon))
         self.residual_multiplier = None
         if family.residual_multiplier is not None:
             self.residual_multiplier = getattr(config, family.residual_multiplier)
@@ -335,7 +335,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             buffer = getattr(family.modeling, function)(config)
             self.get_submodule(module).register_buffer(name, buffer, persistent=False)
         # How the layer's recurrent mixer, where it has one, takes the cache and which keywords (transformers_compat).
-        recurrent = [getattr(self, sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
+        recurrent = [self.module_at(sublayer.module) for sublayer in self.sublayers if sublayer.call == RECURRENT]
         self.recurrent_cache_name = recurrent_cache_name(recurrent[0]) if recurrent else None
         self.recurrent_keywords = keywords_taken(recurrent[0].forward) if recurrent else None
         # The attentions that declare `position_embeddings` are given `None` in a layer without RoPE (Granite MoE SWA's
@@ -344,7 +344,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             sublayer.module
             for sublayer in self.sublayers
             if sublayer.call == ATTENTION
-            and "position_embeddings" in inspect.signature(getattr(self, sublayer.module).forward).parameters
+            and "position_embeddings" in inspect.signature(self.module_at(sublayer.module).forward).parameters
         }
         self.layer_idx = layer_idx
         # The objects the family's model makes once per forward pass for its layers' attention (`Sublayer.shared`).
@@ -427,9 +427,19 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         tensors, layout = flatten_state(state)
         return *tensors, layout
 
+    def module_at(self, path: str) -> nn.Module | None:
+        """The family's module at `path` under this layer: a name, or a dotted path where the family's layer holds it
+        inside a module of its own (DBRX's `norm_attn_norm.attn`, `Sublayer.module`); `None` where the family's layer
+        left it out for the config (Granite 4's MoE without experts). Plain attribute reads, which torch.compile
+        traces as the one-name lookups they replace."""
+        module = self
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        return module
+
     def sublayer_input(self, sublayer: Sublayer, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
         """What the sublayer's module reads: the depth step's result through the sublayer's pre-norm, if it has one."""
-        return pre_norm(getattr(self, sublayer.pre_norm) if sublayer.pre_norm else None, hidden_states)
+        return pre_norm(self.module_at(sublayer.pre_norm) if sublayer.pre_norm else None, hidden_states)
 
     def sublayer_output(
         self,
@@ -452,7 +462,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         it, `Sublayer.padding_mask`), its input and output times the family's multipliers."""
         outputs = []
         for part in summands:
-            module = getattr(self, part.module, None)
+            module = self.module_at(part.module)
             if module is None:
                 continue
             mask = attention_mask[part.mask] if part.mask is not None else attention_mask
@@ -549,9 +559,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             output = output[0]
         if sublayer.convolution is not None:
             padding_mask = {sublayer.padding_mask: attention_mask["linear_attention"]}
-            output = getattr(self, sublayer.convolution)(output, **{CACHE_NAME: cache}, **padding_mask)
+            output = self.module_at(sublayer.convolution)(output, **{CACHE_NAME: cache}, **padding_mask)
         for name in sublayer.post:
-            output = getattr(self, name)(output)
+            output = self.module_at(name)(output)
         if sublayer.dropout is not None:
             output = nn.functional.dropout(output, self.branch_dropouts[sublayer.dropout], self.training)
         output = output.view(shape)
@@ -593,7 +603,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
         "attentions": [
             OutputRecorder(None, index=1, class_name=f".{attention}")
             for attention in dict.fromkeys(
-                part.module
+                # A recorder matches the end of a module's path, so an attention at a dotted path is recorded by its
+                # last name (DBRX's `norm_attn_norm.attn` by GPT-2's `.attn`), once.
+                part.module.rpartition(".")[2]
                 for family in FAMILIES.values()
                 if family.recorded_attention is None
                 for sublayers in (family.layer_sublayers or {None: family.sublayers}).values()
@@ -964,7 +976,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if output_router_logits:
             aux_loss = self.family.load_balancing_loss(self.config, outputs.router_logits, attention_mask)
             if labels is not None and aux_loss is not None:
-                loss = loss + getattr(self.config, self.family.moe.loss_coefficient) * aux_loss.to(loss.device)
+                coefficient = self.family.config_value(self.config, self.family.moe.loss_coefficient)
+                loss = loss + coefficient * aux_loss.to(loss.device)
 
         return output_with_cache(
             MoeCausalLMOutputWithPast,

@@ -855,6 +855,19 @@ CASES = {
     # CTRL: the embedding scaled by sqrt(n_embd) plus sinusoidal positions, an attention called with its input three
     # times, dropouts on the embedding and after each branch, an LM head with a bias.
     "ctrl": ("ctrl", dict(n_embd=64, n_layer=3, n_head=4, dff=96, n_positions=256, resid_pdrop=0.1, embd_pdrop=0.1)),
+    # DBRX: the attention between the LayerNorms of `norm_attn_norm`, its fused queries, keys and values clipped,
+    # dropouts on the attention and after each branch; MoE in every layer, its settings in `ffn_config`. Its
+    # attention reads a `rope_theta` from `attn_config`, which that config does not declare. `d_model` given by its
+    # name: the config copies it into `ffn_config` before it sets the aliased `hidden_size`.
+    "dbrx": (
+        "dbrx",
+        dict(
+            d_model=64,
+            resid_pdrop=0.1,
+            attn_config=dict(kv_n_heads=2, clip_qkv=0.5, attn_pdrop=0.1, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2, moe_loss_weight=0.05),
+        ),
+    ),
 }
 # The families the installed Transformers has (InternLM3 from after 5.19).
 CASES = {case: spec for case, spec in CASES.items() if spec[0] in FAMILIES}

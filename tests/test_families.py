@@ -242,7 +242,8 @@ def test_standard_mode_equals_the_family_bit_for_bit(case):
     assert set(model.state_dict()) == set(state_dict)  # the family's names, nothing added
     model.load_state_dict(state_dict)
     ids, mask = padded_batch()
-    routed = moe is not None and records_router_logits(source, ids, getattr(config, moe.experts))
+    experts = moe and FAMILIES[config.family].config_value(config, moe.experts)
+    routed = moe is not None and records_router_logits(source, ids, experts)
     with torch.no_grad():
         expected = source(ids, attention_mask=mask, labels=ids, output_router_logits=routed)
         actual = model(ids, attention_mask=mask, labels=ids, output_router_logits=routed)

@@ -403,8 +403,9 @@ class TensorRenamer:
     """
 
     def __init__(self, config: AttnResConfig):
-        moe = FAMILIES[config.family].moe
-        self.num_experts = getattr(config, moe.experts) if moe else 0
+        family = FAMILIES[config.family]
+        moe = family.moe
+        self.num_experts = family.config_value(config, moe.experts) if moe else 0
         self.expert_parts = ("gate", "up", "down") if moe is None or moe.gated_experts else ("up", "down")
         self.tied = getattr(config, "tie_word_embeddings", False)  # as Transformers reads it: Inkling's has no field
         self.renamings = checkpoint_renamings(config.family)

@@ -500,8 +500,10 @@ class PipelineLoss:
     def __init__(self, config):
         self.config = config
         self.vocab_size = config.vocab_size
-        moe = FAMILIES[config.family].moe
-        self.router_aux_loss_coef = getattr(config, moe.loss_coefficient) if moe and moe.load_balancing_loss else None
+        family = FAMILIES[config.family]
+        moe = family.moe
+        with_loss = moe and moe.load_balancing_loss
+        self.router_aux_loss_coef = family.config_value(config, moe.loss_coefficient) if with_loss else None
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         logits, aux_loss = output if isinstance(output, tuple) else (output, None)
