@@ -185,6 +185,12 @@ FAMILY_OWN_FAILURES = {
             "declare (its own test skips this test: the class lists no fp32 modules)"
         ),
     },
+    "dbrx": {
+        "test_tied_weights_are_sharded_together": (
+            "DBRX's causal LM declares its head tied to `transformer.wte` and shards the head alone (its config has no "
+            "base plan), though its config refuses `tie_word_embeddings=True`"
+        ),
+    },
     "lfm2_moe": {
         "test_keep_in_fp32_modules": (
             "LFM2-MoE's routing bias is a buffer built in fp32 whatever the dtype, which its model class does not "
@@ -539,6 +545,15 @@ FAMILY_FIELDS = {
         n_routed_experts=4,
         n_shared_experts=1,
         **MOE,
+    ),
+    # The tester's width under its own name too, which DBRX's config copies into `ffn_config` before it sets the
+    # aliased `hidden_size`; the tester's key heads, the `rope_theta` that its attention reads from its attention
+    # config, which does not declare one, and a clipping bound, without which its attention's clamp fails; MoE in small,
+    # in its experts config.
+    "dbrx": dict(
+        d_model=32,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
     ),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
