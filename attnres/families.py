@@ -580,9 +580,10 @@ class Family:
         from 5.19: with 5.16 AFMoE's greedy generation differs from the family's own, and an Aria checkpoint saved
         there computes other logits in 5.19; Jamba from 5.21, its router's class; Falcon-H1 from 5.23, before which
         its own generation fails on its tests' checkpoint; RecurrentGemma from 5.23, its config's `layer_types`;
-        JetMoE, Inkling and ModernBERT's decoder from 5.25, the version tested, 5.16's JetMoE recording its
-        attention's router logits twice, 5.16's Inkling holding its embedding's norm apart and 5.16's ModernBERT
-        decoder computing its loss with a loss of its own).
+        JetMoE, Inkling, ModernBERT's decoder and DBRX from 5.25, the version tested, 5.16's JetMoE recording its
+        attention's router logits twice, 5.16's Inkling holding its embedding's norm apart, 5.16's ModernBERT
+        decoder computing its loss with a loss of its own and 5.16's DBRX experts config refusing fields that its own
+        `to_dict` writes, so that no config is built from another's fields).
     """
 
     model_type: str
@@ -1590,6 +1591,9 @@ FAMILIES = {
             ),
             parts=BLOCKS_PARTS,
             checkpoint_renamings=BLOCKS_RENAMINGS,
+            # Tested on 5.25; 5.16's `DbrxFFNConfig` refuses the `_name_or_path` and `output_attentions` of its own
+            # `to_dict`, from which the conversion builds the AttnRes config.
+            since=(5, 25),
         ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since
