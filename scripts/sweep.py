@@ -134,6 +134,9 @@ OVERRIDES: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "bamba": dict(attn_layer_indices=[1]),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    # its attention reads a `rope_theta` that its attention config does not declare, and clamps its queries, keys and
+    # values with a bound that the default leaves unset, which fails: both as DBRX's released checkpoints set them
+    "dbrx": dict(attn_config=dict(rope_theta=500000.0, clip_qkv=8.0)),
     "kimi_linear": dict(num_key_value_heads=4),  # latent attention expands keys and values to every query head
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # its default has no layer types
     # multi-head latent attention: keys and values have as many heads as queries
