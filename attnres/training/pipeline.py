@@ -301,11 +301,13 @@ class AttnResStage(nn.Module):
                 for router in moe.routers_of(backbone.layers[index]):
                     router.register_forward_hook(self.record_router_logits)
 
-    def record_router_logits(self, module: nn.Module, args: tuple, output: tuple) -> None:
+    def record_router_logits(self, module: nn.Module, args: tuple, output: tuple | torch.Tensor) -> None:
         """Forward hook on a router: its logits, while this stage's forward runs (not in a checkpointed layer's
-        recomputation during the backward pass)."""
+        recomputation during the backward pass); the whole output of a router that returns its logits alone (DBRX's),
+        as Transformers' recorder takes it."""
         if self.recorded_router_logits is not None:
-            self.recorded_router_logits.append(output[FAMILIES[self.config.family].moe.logits_index])
+            logits = output[FAMILIES[self.config.family].moe.logits_index] if isinstance(output, tuple) else output
+            self.recorded_router_logits.append(logits)
 
     @property
     def first_mixer(self) -> nn.Module:
