@@ -24,6 +24,7 @@ from attnres.conversion import ConversionError, convert
 from attnres.conversion import converter as converter_module
 from attnres.eval import evaluate
 from attnres.eval import runner as runner_module
+from attnres.families import FAMILIES
 from attnres.training import demo_retrofit, retrofit_depth
 from attnres_cli import default_demo_model
 from conftest import TINY_SHAPE
@@ -237,6 +238,18 @@ CASES = {
         lambda f: AttnResConfig(num_local_experts=4, num_experts_per_tok=5),
         ValueError,
         "AttnResConfig.num_experts_per_tok=5: must be an integer from 1 to num_local_experts = 4",
+    ),
+    # DBRX's experts are counted in its `ffn_config` (from Transformers 5.25).
+    **(
+        {
+            "config top-k in a sub-config": Case(
+                lambda f: AttnResConfig(family="dbrx", ffn_config=dict(moe_num_experts=4, moe_top_k=5)),
+                ValueError,
+                "AttnResConfig.ffn_config.moe_top_k=5: must be an integer from 1 to ffn_config.moe_num_experts = 4",
+            )
+        }
+        if "dbrx" in FAMILIES
+        else {}
     ),
     "config attention_dropout": Case(
         lambda f: AttnResConfig(attention_dropout=1.5),
