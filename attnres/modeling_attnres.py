@@ -258,9 +258,9 @@ def family_logits(
     prediction_head: nn.Module | None = None,
 ) -> torch.Tensor:
     """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input through
-    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling` or Inkling's muP width, the
-    logits of Inkling's padding rows dropped, in fp32 as xLSTM's, divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
-    soft-capped by Gemma's `final_logit_softcapping`."""
+    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling` or Inkling's muP width, in fp32
+    as xLSTM's, the logits of Inkling's padding rows dropped, divided by Granite's `logits_scaling`, multiplied by
+    HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping` or xLSTM's `output_logit_soft_cap`."""
     family = FAMILIES[config.family]
     if prediction_head is not None:
         hidden_states = prediction_head(hidden_states)
@@ -594,15 +594,15 @@ def family_initialisation(config: AttnResConfig, model: nn.Module) -> PreTrained
     families). That method may call `super()`, which needs an instance of the family's class: this one is not built
     by its `__init__` and holds the config and `model`'s modules, which are all the method reads. xLSTM's reads the
     modules: it picks each linear layer's initialisation by the layer's path in the model (`igate`, `proj_down`), which
-    under `model`'s names holds the same module names, and initialises the token embedding under its own name
-    (`ModelParts.tokens`)."""
+    under `model`'s names holds the same module names, and initialises the token embedding by the name its model gives
+    it (`ModelParts.tokens`, `embeddings`), under which this one holds it too where that is one name."""
     family = FAMILIES[config.family]
     family_class = family.cls("PreTrainedModel")
     initialisation = family_class.__new__(family_class)
     nn.Module.__init__(initialisation)
     initialisation.config = config
     initialisation._modules.update(model._modules)
-    if family.parts is not None:
+    if family.parts is not None and "." not in family.parts.tokens:
         initialisation._modules[family.parts.tokens] = model.get_input_embeddings()
     return initialisation
 
@@ -868,7 +868,7 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
-        if use_cache and family.own_cache is not None:  # the tokens the family's own cache has seen, as its model counts
+        if use_cache and family.own_cache is not None:  # the tokens its own cache has seen, counted as its model does
             getattr(cache, family.own_cache.length).add_(inputs_embeds.shape[1])
         # The output at the kept positions only (docs/design.md §6.1). The recorded output spans every position, as
         # Llama's does, so recording computes it there too.

@@ -50,9 +50,9 @@ layers are named by their index (`ffn.0`, `ffn.2`: an index alone would name dec
 projection `kv_proj` (its query and output projections are experts), Inkling's projection of the states its relative
 position bias reads (`r_proj`), xLSTM's mLSTM layer `q`, `k`, `v`, its output gate `ogate_preact` and `out_proj`
 (fused, `qkv_opreact`) and its MLP `proj_up`, `proj_up_gate`, `proj_down` (fused, `proj_up_gate_z`); its input and
-forget gates, one scalar per head, are left out, as a router is. MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which
-these names do not reach: there LoRA adapts the attention and
-any dense or shared-expert MLP."""
+forget gates, one scalar per head, are left out, as a router is. MoE models fuse their experts into 3-D parameters
+(`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and any dense or
+shared-expert MLP."""
 
 
 def lora_config(
