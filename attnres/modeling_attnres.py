@@ -601,9 +601,10 @@ def family_initialisation(config: AttnResConfig, model: nn.Module) -> PreTrained
     initialisation = family_class.__new__(family_class)
     nn.Module.__init__(initialisation)
     initialisation.config = config
-    initialisation._modules.update(model._modules)
+    for name, child in model.named_children():
+        initialisation.add_module(name, child)
     if family.parts is not None and "." not in family.parts.tokens:
-        initialisation._modules[family.parts.tokens] = model.get_input_embeddings()
+        initialisation.add_module(family.parts.tokens, model.get_input_embeddings())
     return initialisation
 
 
