@@ -33,6 +33,9 @@ ATTENTION = "attention"  # hidden_states, position embeddings, mask, position id
 # a linear attention (Gated DeltaNet, KDA) or a short convolution (LFM2): hidden_states, the cache and a 2D padding mask
 RECURRENT = "recurrent"
 FEED_FORWARD = "feed_forward"  # an MLP or MoE: hidden_states alone
+# a recurrent mixer called as `module(hidden_states, state)` that returns `(output, state)`, its state held by layer in
+# the family's own cache object, not a Transformers `Cache` (xLSTM's mLSTM layer; `OwnCache`)
+STATEFUL = "stateful"
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Sublayer:
         OLMo 2), a residual dropout (Phi-3), the rest of an MLP that the decoder layer computes from its own modules
         (OPT's activation and `fc2`, after `fc1`). They sit inside the branch, so the stream stays a plain sum of the
         branches' outputs and the exact retrofit holds (docs/design.md §5).
-    call: how the family's decoder layer calls `module`: `ATTENTION`, `RECURRENT` or `FEED_FORWARD`.
+    call: how the family's decoder layer calls `module`: `ATTENTION`, `RECURRENT`, `STATEFUL` or `FEED_FORWARD`.
     cache_argument: the keyword `module` takes the cache by where it is not Transformers' own (`cache`): GPT-Neo's
         and GPT-BigCode's attentions take it as `layer_past`; `None` for Transformers' own.
     summed: modules on the same input whose outputs the family's layer adds to `module`'s, in order, as one branch:
@@ -404,6 +407,8 @@ class ModelParts:
         `None`), the function of its modeling module that computes them, as `function(max_position_embeddings,
         hidden_size, torch.float)` (CTRL's `positional_encoding`), or `None`; the AttnRes model holds them as
         `embed_positions`, a `PositionTable`.
+    layer_counts: the config fields by which the family's model counts the decoder layers it builds, all set to 0 so
+        that it builds none: `num_hidden_layers`, and xLSTM's `num_blocks` beside it.
     """
 
     model: str = "Model"
@@ -414,6 +419,7 @@ class ModelParts:
     positions_after_mask: bool = False
     embedding_norm: str | None = None
     position_table: str | None = None
+    layer_counts: tuple[str, ...] = ("num_hidden_layers",)
 
     def position_embeddings(self, embed_positions: nn.Module, position_ids: torch.LongTensor) -> torch.Tensor:
         """The vectors `embed_positions` adds at `position_ids`, called as the family's model calls it."""
@@ -469,6 +475,26 @@ GPT2_RENAMINGS = (
 )
 
 
+@dataclass(frozen=True)
+class OwnCache:
+    """The cache object of a family whose model keeps its layers' recurrent state in one of its own, not a Transformers
+    `Cache` (xLSTM's `xLSTMCache`): the model makes it as the family's model does where `use_cache` is set and none is
+    given, `generate` leaves it to the model (as it does for the family's, which has no `Cache` for it to make), and
+    its `STATEFUL` sublayers read and update their state in it.
+
+    cache: the suffix of its class in the family's modeling module, built as `cls(config, batch_size, dtype=...,
+        device=...)`.
+    states: its attribute holding each layer's state by layer index, a tuple of tensors that the family's model
+        overwrites in place (`copy_`) with the state the layer returns.
+    length: its attribute counting the tokens it has seen, a tensor the family's model adds each forward pass's
+        length to.
+    """
+
+    cache: str = "Cache"
+    states: str = "rnn_state"
+    length: str = "seqlen_offset"
+
+
 TRANSFORMERS_RELEASE = version.parse(transformers.__version__).release
 # LFM2's final norm is its model's `embedding_norm`, applied after the last layer (LFM2, LFM2-MoE, LFM3).
 LFM2 = dict(norm_eps="norm_eps", checkpoint_renamings=((r"^model\.embedding_norm\.", "model.norm."),))
@@ -513,6 +539,8 @@ class Family:
     embedding_multiplier, residual_multiplier, logits_divisor, logits_multiplier, logit_softcap: the config fields of
         the scalars the family's model applies to the embedding, to each sublayer's output, and to the logits (divided
         by the value as Granite's, multiplied by it as HyperCLOVA X's, or soft-capped at it), or `None`.
+    float_logits: the family's `*ForCausalLM` casts its logits to fp32 before it soft-caps them, whatever the model's
+        dtype (xLSTM's).
     z_loss: the config field of the coefficient of the z-loss, the mean over positions of the squared log-sum-exp of
         the logits, that the family's `*ForCausalLM` adds to the loss where the coefficient is positive (Bamba's
         `z_loss_coefficient`), or `None`.
@@ -550,6 +578,12 @@ class Family:
     cache_setup: the method of the family's `*PreTrainedModel` that its model calls with `(config, batch, device,
         dtype)` as it starts a cache, to reset the state its modules hold themselves (RecurrentGemma's
         `_setup_cache`), or `None`.
+    layer_takes_index: the family's decoder-layer class takes its layer index after the config; xLSTM's
+        `xLSTMBlock(config)` takes the config alone.
+    layer_type: the type of every layer where the config has no `layer_types` and the family's layers read no mask
+        (xLSTM's, `STATEFUL`), or `None`: then every layer is of an attention type (`layer_types`).
+    own_cache: the family's own cache object (`OwnCache`), where its model keeps its layers' state in one that is not
+        a Transformers `Cache`, or `None`.
     layer_type_argument: the keyword under which the family's model passes a decoder layer its type (Bamba's
         `layer_type`, from `layers_block_type`), or `None` where the layer reads it from the config.
     parts: the modules of the family's model around the layers that the AttnRes model takes from it (`ModelParts`),
@@ -606,6 +640,7 @@ class Family:
     logits_divisor: str | None = None
     logits_multiplier: str | None = None
     logit_softcap: str | None = None
+    float_logits: bool = False
     z_loss: str | None = None
     layer_residual_scale: str | None = None
     head_input_divisor: str | None = None
@@ -622,6 +657,9 @@ class Family:
     causal_lm: str = "ForCausalLM"
     layer_decoder_layers: dict[str, str] | None = None
     layer_type_argument: str | None = None
+    layer_takes_index: bool = True
+    layer_type: str | None = None
+    own_cache: OwnCache | None = None
     layer_buffers: tuple[tuple[str, str], ...] = ()
     cache_setup: str | None = None
     parts: ModelParts | None = None
@@ -727,9 +765,10 @@ class Family:
         (`layer_type_argument`)."""
         kind = config.layer_types[layer_idx] if self.layer_decoder_layers or self.layer_type_argument else None
         layer_class = self.cls(self.layer_decoder_layers[kind] if self.layer_decoder_layers else self.decoder_layer)
+        index = (layer_idx,) if self.layer_takes_index else ()
         if self.layer_type_argument is not None:
-            return layer_class(config, layer_idx, **{self.layer_type_argument: kind})
-        return layer_class(config, layer_idx)
+            return layer_class(config, *index, **{self.layer_type_argument: kind})
+        return layer_class(config, *index)
 
     def sublayers_of(self, config, layer_idx: int) -> tuple[Sublayer, ...]:
         """The sublayers of decoder layer `layer_idx`, in order: its token mixer and its MLP, or its one mixer."""
@@ -791,7 +830,8 @@ class Family:
         if self.parts is None:
             return None
         config = copy.deepcopy(config)
-        config.num_hidden_layers = 0
+        for field in self.parts.layer_counts:
+            setattr(config, field, 0)
         # The AttnRes model's experts implementation is for its layers' experts; this model has none to set it for.
         config._experts_implementation = None
         # Nor layers to checkpoint, which a config's legacy `gradient_checkpointing=True` has its `post_init` look for.
@@ -1595,6 +1635,37 @@ FAMILIES = {
             # `to_dict`, from which the conversion builds the AttnRes config.
             since=(5, 25),
         ),
+        # xLSTM: each block an mLSTM layer, called with its recurrent state and returning the new one, which the model
+        # keeps in its own `xLSTMCache`, then a gated MLP (`ffn`), each behind its own norm (with an optional bias and
+        # fp32 reductions); no positions, no mask; the block takes no layer index; the logits soft-capped; the layers
+        # under `backbone.blocks`.
+        Family(
+            "xlstm",
+            "xlstm",
+            "xLSTM",
+            (
+                Sublayer("mlstm_layer", "norm_mlstm", call=STATEFUL),
+                Sublayer("ffn", "norm_ffn", call=FEED_FORWARD),
+            ),
+            norm_eps="norm_eps",
+            llama_norm=False,
+            logit_softcap="output_logit_soft_cap",
+            float_logits=True,
+            rotary_embedding=None,
+            decoder_layer="Block",
+            layer_takes_index=False,
+            layer_type=STATEFUL,
+            own_cache=OwnCache(),
+            parts=ModelParts(
+                tokens="embeddings", positions=None, norm="out_norm", layer_counts=("num_hidden_layers", "num_blocks")
+            ),
+            checkpoint_renamings=(
+                (r"^(backbone\.)?embeddings\.", "model.embed_tokens."),
+                (r"^(backbone\.)?blocks\.", "model.layers."),
+                (r"^(backbone\.)?out_norm\.", "model.norm."),
+            ),
+            initializer_range=None,
+        ),
     )
     if family.model_type in CONFIG_MAPPING and TRANSFORMERS_RELEASE >= family.since
 }
@@ -1614,11 +1685,15 @@ def norm_eps(config) -> float:
 
 def layer_types(config) -> list[str]:
     """Each decoder layer's attention type, as the family's model picks its mask: the config's `layer_types` where the
-    family has them, else every layer windowed when the config sets a window (Mistral, Mixtral, Phi-3), else none.
+    family has them, else the family's `layer_type` for every layer where it has one (xLSTM's, which read no mask), else
+    every layer windowed when the config sets a window (Mistral, Mixtral, Phi-3), else none.
     An empty list where the config cannot count its layers yet: an AttnRes config checking its given fields before
     its family's config has derived the others (Nemotron-H's `num_hidden_layers`, from its layer pattern)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
+    family = FAMILIES.get(getattr(config, "family", None))
+    if family is not None and family.layer_type is not None:
+        return [family.layer_type] * (getattr(config, "num_hidden_layers", None) or 0)
     kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
     return [kind] * (getattr(config, "num_hidden_layers", None) or 0)

@@ -46,6 +46,7 @@ from .families import (
     HYBRID_SLIDING_MASKS,
     PositionTable,
     RECURRENT,
+    STATEFUL,
     Family,
     Sublayer,
     layer_types,
@@ -138,6 +139,7 @@ def attention_masks(
         # Nemotron-H's layers of an MLP or an MoE alone, which read no mask.
         "mlp": no_mask,
         "moe": no_mask,
+        STATEFUL: no_mask,  # xLSTM's layers, whose model makes no mask
         HYBRID_MASKS: hybrid_masks,  # Falcon-H1's layers: attention and Mamba side by side; Inkling's full layers
         HYBRID_SLIDING_MASKS: hybrid_sliding_masks,  # Inkling's windowed layers
     }
@@ -196,8 +198,13 @@ def family_position_ids(
     """The position ids the family's model makes where none are given: every token counted from the cache's length,
     or, where the family counts them over the attention mask (`ModelParts.positions_from_mask`, OPT), the unpadded
     tokens counted, -1 at padding."""
-    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-    parts = FAMILIES[config.family].parts
+    family = FAMILIES[config.family]
+    past_seen_tokens = 0
+    if isinstance(cache, Cache):
+        past_seen_tokens = cache.get_seq_length()
+    elif cache is not None:  # the family's own (`Family.own_cache`): its count of the tokens seen, a tensor
+        past_seen_tokens = getattr(cache, family.own_cache.length)
+    parts = family.parts
     padding_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2
     if parts is not None and parts.positions_from_mask and padding_mask:
         counted = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
@@ -251,15 +258,17 @@ def family_logits(
     prediction_head: nn.Module | None = None,
 ) -> torch.Tensor:
     """The logits as the family's `*ForCausalLM` computes them from the model's output: the LM head's input through
-    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling` or Inkling's muP width, the
-    logits of Inkling's padding rows dropped, divided by Granite's `logits_scaling`, multiplied by HyperCLOVA X's,
-    soft-capped by Gemma's `final_logit_softcapping`."""
+    ModernBERT decoder's `prediction_head` or divided by MiniCPM3's `logits_scaling` or Inkling's muP width, in fp32
+    as xLSTM's, the logits of Inkling's padding rows dropped, divided by Granite's `logits_scaling`, multiplied by
+    HyperCLOVA X's, soft-capped by Gemma's `final_logit_softcapping` or xLSTM's `output_logit_soft_cap`."""
     family = FAMILIES[config.family]
     if prediction_head is not None:
         hidden_states = prediction_head(hidden_states)
     if family.head_input_divisor is not None:
         hidden_states = hidden_states / family.config_value(config, family.head_input_divisor)
     logits = lm_head(hidden_states)
+    if family.float_logits:
+        logits = logits.float()
     unpadded = getattr(config, family.unpadded_vocab) if family.unpadded_vocab else None
     if unpadded is not None and unpadded < logits.shape[-1]:
         logits = logits[..., :unpadded]
@@ -347,6 +356,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             and "position_embeddings" in inspect.signature(self.module_at(sublayer.module).forward).parameters
         }
         self.layer_idx = layer_idx
+        # Where a `STATEFUL` mixer's state sits in the family's own cache (`Family.own_cache`).
+        self.cache_states = family.own_cache.states if family.own_cache is not None else None
         # The objects the family's model makes once per forward pass for its layers' attention (`Sublayer.shared`).
         self.shared_per_forward = {
             sublayer.shared[0]: getattr(family.modeling, sublayer.shared[1])
@@ -513,6 +524,15 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 kwargs = {name: value for name, value in kwargs.items() if name in self.recurrent_keywords}
             cache_argument = {self.recurrent_cache_name: cache}
             return module(hidden_states=hidden_states, attention_mask=attention_mask, **cache_argument, **kwargs)
+        if sublayer.call == STATEFUL:
+            # The layer's state in the family's own cache, overwritten in place with the one the module returns, as the
+            # family's model does (xLSTM's).
+            state = getattr(cache, self.cache_states)[self.layer_idx] if cache is not None else None
+            output, new_state = module(hidden_states, state)
+            if cache is not None:
+                for held, new in zip(state, new_state):
+                    held.copy_(new)
+            return output
         if position_embeddings is not None or sublayer.module in self.declares_position_embeddings:
             kwargs = dict(kwargs, position_embeddings=position_embeddings)
         if attention_bias is not None:  # ALiBi (MPT, BLOOM), under the family's keyword
@@ -568,14 +588,23 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         return output if self.residual_multiplier is None else output * self.residual_multiplier
 
 
-def family_initialisation(config: AttnResConfig) -> PreTrainedModel:
-    """The family's `*PreTrainedModel` holding `config`, to run the family's own `_init_weights` on its modules
-    (Gemma's zero norm gains and embedding scale, Gemma 3's per-type rotary frequencies, the experts of the MoE
-    families). That method may call `super()`, which needs an instance of the family's class: this one is never
-    initialised as a module and holds nothing but the config, which is all the method reads."""
-    family_class = FAMILIES[config.family].cls("PreTrainedModel")
+def family_initialisation(config: AttnResConfig, model: nn.Module) -> PreTrainedModel:
+    """The family's `*PreTrainedModel` holding `config`, to run the family's own `_init_weights` on the modules of
+    `model` (Gemma's zero norm gains and embedding scale, Gemma 3's per-type rotary frequencies, the experts of the MoE
+    families). That method may call `super()`, which needs an instance of the family's class: this one is not built
+    by its `__init__` and holds the config and `model`'s modules, which are all the method reads. xLSTM's reads the
+    modules: it picks each linear layer's initialisation by the layer's path in the model (`igate`, `proj_down`), which
+    under `model`'s names holds the same module names, and initialises the token embedding by the name its model gives
+    it (`ModelParts.tokens`, `embeddings`), under which this one holds it too where that is one name."""
+    family = FAMILIES[config.family]
+    family_class = family.cls("PreTrainedModel")
     initialisation = family_class.__new__(family_class)
+    nn.Module.__init__(initialisation)
     initialisation.config = config
+    for name, child in model.named_children():
+        initialisation.add_module(name, child)
+    if family.parts is not None and "." not in family.parts.tokens:
+        initialisation.add_module(family.parts.tokens, model.get_input_embeddings())
     return initialisation
 
 
@@ -676,7 +705,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         super()._initialize_weights(module, is_custom_code=False)
 
     def _init_weights(self, module: nn.Module) -> None:
-        family_initialisation(self.config)._init_weights(module)
+        family_initialisation(self.config, self)._init_weights(module)
         std = FAMILIES[self.config.family].initializer_std(self.config)
         if isinstance(module, AttnResDecoderLayer):
             family = FAMILIES[self.config.family]
@@ -789,9 +818,14 @@ class AttnResModel(AttnResPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
-        if use_cache and cache is None:
+        family = FAMILIES[self.config.family]
+        if use_cache and cache is None and family.own_cache is not None:
+            # The family's own cache, made as its model makes it (xLSTM's), in the embeddings' dtype.
+            cache = family.cls(family.own_cache.cache)(
+                self.config, inputs_embeds.shape[0], dtype=inputs_embeds.dtype, device=inputs_embeds.device
+            )
+        elif use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-            family = FAMILIES[self.config.family]
             if family.cache_setup is not None:  # the state RecurrentGemma's modules hold, reset for the new cache
                 setup = getattr(family.cls("PreTrainedModel"), family.cache_setup)
                 setup(self, self.config, inputs_embeds.shape[0], inputs_embeds.device, inputs_embeds.dtype)
@@ -835,6 +869,8 @@ class AttnResModel(AttnResPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+        if use_cache and family.own_cache is not None:  # the tokens its own cache has seen, counted as its model does
+            getattr(cache, family.own_cache.length).add_(inputs_embeds.shape[1])
         # The output at the kept positions only (docs/design.md §6.1). The recorded output spans every position, as
         # Llama's does, so recording computes it there too.
         keeps_all = isinstance(logits_to_keep, int) and not 0 < logits_to_keep < inputs_embeds.shape[1]
@@ -928,6 +964,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     @property
     def family(self) -> Family:
         return FAMILIES[self.config.family]
+
+    def _prepare_cache_for_generation(self, *args, **kwargs) -> None:
+        """`generate` makes a `DynamicCache`, except for a family with a cache of its own (`Family.own_cache`), which
+        the model makes at the first step, as `generate` leaves the family's own model to (xLSTM's)."""
+        if self.family.own_cache is None:
+            super()._prepare_cache_for_generation(*args, **kwargs)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head

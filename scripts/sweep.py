@@ -137,6 +137,9 @@ OVERRIDES: dict[str, dict] = {
     # its attention reads a `rope_theta` that its attention config does not declare, and clamps its queries, keys and
     # values with a bound that the default leaves unset, which fails: both as DBRX's released checkpoints set them
     "dbrx": dict(attn_config=dict(rope_theta=500000.0, clip_qkv=8.0)),
+    # queries as wide as values: its cache sizes the states by widths rounded up to a multiple of 64, its layers by
+    # the widths themselves, so with its default half-width queries its own model fails with a cache
+    "xlstm": dict(qk_dim_factor=1.0),
     "kimi_linear": dict(num_key_value_heads=4),  # latent attention expands keys and values to every query head
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # its default has no layer types
     # multi-head latent attention: keys and values have as many heads as queries

@@ -868,6 +868,24 @@ CASES = {
             ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2, moe_loss_weight=0.05),
         ),
     ),
+    # xLSTM: mLSTM blocks with biases on their norms and projections, its recurrent state in its own cache, chunks
+    # shorter than the test prompts (its native kernel runs the state through them), gate and logit soft caps low
+    # enough to bind.
+    "xlstm": (
+        "xlstm",
+        dict(
+            embedding_dim=64,
+            num_heads=4,
+            use_bias=True,
+            chunk_size=4,
+            # Its cache sizes the states by widths rounded up to a multiple of 64, its layers by the widths themselves:
+            # with narrower queries its own model fails with a cache.
+            qk_dim_factor=1.0,
+            ffn_round_up_to_multiple_of=32,
+            gate_soft_cap=5.0,
+            output_logit_soft_cap=3.0,
+        ),
+    ),
 }
 # The families the installed Transformers has (InternLM3 from after 5.19).
 CASES = {case: spec for case, spec in CASES.items() if spec[0] in FAMILIES}

@@ -434,8 +434,19 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
     expected = source.generate(ids, **arguments)
     actual = model.generate(ids, **arguments)
     assert torch.equal(actual.sequences, expected.sequences)
-    layer_kinds = [type(layer).__name__ for layer in getattr(actual, CACHE_NAME).layers]
-    assert layer_kinds == [type(layer).__name__ for layer in getattr(expected, CACHE_NAME).layers]
+    actual_cache, expected_cache = getattr(actual, CACHE_NAME), getattr(expected, CACHE_NAME)
+    assert type(actual_cache) is type(expected_cache)
+    own_cache = FAMILIES[CASES[case][0]].own_cache
+    if own_cache is not None:  # the family's own cache (xLSTM's): the same count of tokens, the states up to rounding
+        assert torch.equal(getattr(actual_cache, own_cache.length), getattr(expected_cache, own_cache.length))
+        actual_states, expected_states = (getattr(c, own_cache.states) for c in (actual_cache, expected_cache))
+        assert actual_states.keys() == expected_states.keys()
+        for layer_idx, state in expected_states.items():
+            for actual_state, expected_state in zip(actual_states[layer_idx], state, strict=True):
+                torch.testing.assert_close(actual_state, expected_state, rtol=1e-4, atol=1e-4)
+        return
+    layer_kinds = [type(layer).__name__ for layer in actual_cache.layers]
+    assert layer_kinds == [type(layer).__name__ for layer in expected_cache.layers]
     if "sliding_attention" in (getattr(source.config, "layer_types", None) or []):
         assert "DynamicSlidingWindowLayer" in layer_kinds  # Gemma's hybrid cache: windowed layers keep a window
 
@@ -444,10 +455,11 @@ def test_greedy_generation_equals_the_source_through_the_familys_cache(converted
 # `embed_out`, ModernBERT decoder's `decoder`), the routers (HunYuan's `gate.wg`, Llama 4's `router`, JetMoE's
 # `router.layer`), Qwen2-MoE's shared-expert gate and the indexer of DeepSeek-V3.2's sparse attention
 # (`wq_b`, `wk`, `weights_proj`: it only picks the keys, through a top-k that passes no gradient); and Jamba's Mamba
-# time-step projection `dt_proj`, whose weight its mixer multiplies without calling it, so no adapter would act.
+# time-step projection `dt_proj`, whose weight its mixer multiplies without calling it, so no adapter would act; and
+# xLSTM's input and forget gates (`igate_preact`, `fgate_preact`), one scalar per head, as the shared-expert gate.
 NOT_PROJECTIONS = {
     "lm_head", "output_projection", "embed_out", "decoder", "gate", "wg", "router", "shared_expert_gate", "wq_b", "wk",
-    "weights_proj", "dt_proj", "layer",
+    "weights_proj", "dt_proj", "layer", "igate_preact", "fgate_preact",
 }
 
 

@@ -203,13 +203,13 @@ FAMILY_OWN_FAILURES = {
 # Class attributes the family's own test class sets. DeepSeek-V3.2's, A.X K2's, GLM-5's and MiniMax-M3's sparse
 # attention picks its keys with an indexer whose top-k passes no gradient to the indexer's weights (the family's own
 # model leaves them without one too; Dots 3 Note's, the same indexer, whose own tests do not train); the Mamba families
-# have no attention.
+# and xLSTM have no attention.
 FAMILY_TEST_ATTRIBUTES = {
     **dict.fromkeys(
         ("deepseek_v32", "dots3_note_text", "axk2", "glm_moe_dsa", "minimax_m3_vl_text"),
         dict(test_all_params_have_gradient=False),
     ),
-    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), dict(has_attentions=False)),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "xlstm"), dict(has_attentions=False)),
 }
 
 
@@ -555,6 +555,10 @@ FAMILY_FIELDS = {
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
     ),
+    # xLSTM's queries and values 64 wide: its cache sizes the states by widths rounded up to a multiple of 64, its
+    # layers by the widths themselves, so that with other widths its own model fails with a cache; its embedding as
+    # wide (its default is 4096), its heads.
+    "xlstm": dict(hidden_size=64, embedding_dim=64, num_heads=4, qk_dim_factor=1.0),
 }
 assert FAMILY_FIELDS.keys() >= {name for name, family in FAMILIES.items() if family.moe or family.layer_sublayers}
 # The family's fields that the config tests' shape (hidden 40) needs: Granite 4's and Bamba's Mamba heads divide

@@ -28,7 +28,8 @@ PROJECTION_TARGET_MODULES = (
     "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "in_proj", "g_proj", "w1", "w2", "w3", "x_proj",
     "linear_x", "linear_y", "linear_out", "Wqkv", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
     "a_proj", "f_proj", "fc1_latent_proj", "fc2_latent_proj", "Wi", "Wo", "Wq", "Wk", "Wv",
-    "ffn.0", "ffn.2", "kv_proj", "r_proj",
+    "ffn.0", "ffn.2", "kv_proj", "r_proj", "q", "k", "v", "ogate_preact", "proj_up", "proj_up_gate", "proj_down",
+    "qkv_opreact", "proj_up_gate_z",
 )
 """The attention, token-mixer and dense-MLP projections of every family (`families.py`): Llama's names, Phi-3's fused
 `qkv_proj` and `gate_up_proj`, StarCoder2's MLP (`c_fc`, `c_proj`), GPT-2's and GPT-BigCode's fused `c_attn`, OPT's,
@@ -47,9 +48,11 @@ experts (`fc1_latent_proj`, `fc2_latent_proj`), ModernBERT decoder's attention o
 (its prediction head's `dense` too), CTRL's `Wq`, `Wk`, `Wv`, `dense` and its MLP, an `nn.Sequential` whose linear
 layers are named by their index (`ffn.0`, `ffn.2`: an index alone would name decoder layers too), JetMoE's key-value
 projection `kv_proj` (its query and output projections are experts), Inkling's projection of the states its relative
-position bias reads (`r_proj`). MoE models fuse their experts into 3-D parameters (`mlp.experts.gate_up_proj`), which
-these names do not reach: there LoRA adapts the attention and
-any dense or shared-expert MLP."""
+position bias reads (`r_proj`), xLSTM's mLSTM layer `q`, `k`, `v`, its output gate `ogate_preact` and `out_proj`
+(fused, `qkv_opreact`) and its MLP `proj_up`, `proj_up_gate`, `proj_down` (fused, `proj_up_gate_z`); its input and
+forget gates, one scalar per head, are left out, as a router is. MoE models fuse their experts into 3-D parameters
+(`mlp.experts.gate_up_proj`), which these names do not reach: there LoRA adapts the attention and any dense or
+shared-expert MLP."""
 
 
 def lora_config(
