@@ -848,9 +848,7 @@ class AttnResModel(AttnResPreTrainedModel):
             masks = attention_masks(self.config, attention_types, inputs_embeds, attention_mask, cache, position_ids)
         masks, attention_bias = family_attention_inputs(self.config, masks, inputs_embeds, attention_mask, cache)
         rotary_types = dict.fromkeys(layer.rotary_type for layer in self.layers)
-        position_embeddings = rotary_embeddings(
-            self.rotary_emb, FAMILIES[self.config.family], rotary_types, inputs_embeds, position_ids
-        )
+        position_embeddings = rotary_embeddings(self.rotary_emb, family, rotary_types, inputs_embeds, position_ids)
 
         record_inputs = bool(kwargs.get("output_hidden_states", self.config.output_hidden_states))
         first_mixer = self.layers[0].depth_mixers[0]
