@@ -38,7 +38,8 @@ class DepthKernels(NamedTuple):
     the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
     `(blocks_inv_rms, rows, lse)`; `lse` is indexed by row too (stacked, or a tuple).
 
-    `phase2` is phase 2 alone (`two_phase.phase2`), for a sublayer input that a norm other than the model's reads.
+    `phase2` is phase 2 alone (`two_phase.phase2`, or the fused CPU kernel), for a sublayer input that a norm other
+    than the model's reads.
 
     `differentiable`: whether autograd records the forward pass they were chosen for; when it does not, a step may
     update its own tensors in place.

@@ -13,6 +13,7 @@ from attnres.kernels import cpu
 from attnres.kernels.reference import inverse_rms
 from attnres.kernels.reference import phase1 as reference_phase1
 from attnres.kernels.reference import phase1_rms_norm as reference_phase1_rms_norm
+from attnres.kernels.reference import phase2 as reference_phase2
 from attnres.kernels.reference import phase2_rms_norm as reference_phase2_rms_norm
 
 from conftest import randomize_depth_parameters, tiny_config
@@ -157,6 +158,34 @@ def test_phase2_rms_norm_matches_reference(tokens, hidden, dtype):
         assert torch.equal(fused_phase2(cpu.phase2_rms_norm)(*inputs), out)
 
 
+@pytest.mark.parametrize("scale", [None, 3.0], ids=["k=1", "k=3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100), ((70,), 36)], ids=str)
+def test_phase2_matches_reference(tokens, hidden, dtype, scale):
+    """Phase 2 alone, the input of a sublayer whose pre-norm is the family's own (Gemma's), times the step's output
+    scale k (a 0-d buffer, `None` for 1)."""
+    obar, lse, partial, query, _ = phase2_inputs(tokens, hidden, dtype)
+    grad = torch.randn(*tokens, hidden).to(dtype)
+    k = None if scale is None else torch.tensor(scale)
+
+    def kernel(obar, lse, partial, query):
+        return cpu.phase2(obar, lse, partial, query, EPS, scale=k)
+
+    def reference(obar, lse, partial, query):
+        return reference_phase2(obar, lse, partial, query, EPS, scale=k)
+
+    inputs = (obar, lse, partial, query)
+    (out,), kernel_grads = run_with_grads(kernel, inputs, (grad,))
+    (ref_out,), ref_grads = run_with_grads(reference, tuple(x.float() for x in inputs), (grad.float(),))
+    assert out.dtype == dtype
+    assert_matches(out, ref_out)
+    for x, kernel_grad, ref_grad in zip(inputs, kernel_grads, ref_grads, strict=True):
+        assert kernel_grad.dtype == x.dtype
+        assert_matches(kernel_grad, ref_grad)
+    with torch.no_grad():  # inference takes the forward kernel alone, which computes the same
+        assert torch.equal(cpu.implementations(differentiable=False)["phase2"](*inputs, EPS, scale=k), out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens, hidden", [((2, 3), 48), ((1,), 100), ((), 20), ((3,), 1100), ((70,), 36)], ids=str)
 def test_phase1_rms_norm_matches_reference(tokens, hidden, dtype):
@@ -224,10 +253,12 @@ def test_gain_of_another_dtype_takes_the_pytorch_path():
         assert torch.equal(out, two_phase_torch.phase1_rms_norm(*args))
 
 
-@pytest.mark.parametrize("residual_mode", ["block", "full"])
-def test_model_on_cpu_kernels_matches_pytorch_path(residual_mode, monkeypatch):
+# Gemma 3's pre-norms are its own (`1 + w`): its Block steps after a block's first run phase 2 alone (`cpu.phase2`),
+# Llama's fused with its norm (Full AttnRes has no phase 2).
+@pytest.mark.parametrize("residual_mode, family", [("block", "llama"), ("full", "llama"), ("block", "gemma3_text")])
+def test_model_on_cpu_kernels_matches_pytorch_path(residual_mode, family, monkeypatch):
     """Logits and every parameter's gradient, and greedy decoding with the KV cache, against `two_phase_torch`."""
-    model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode))
+    model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode, family=family))
     randomize_depth_parameters(model)
     ids = torch.randint(3, model.config.vocab_size, (2, 5))
     logits, grads = logits_and_grads(model, ids, "cpu", monkeypatch)

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from .. import two_phase_torch
+from .. import two_phase, two_phase_torch
 from .build import compiled
 
 
@@ -115,6 +115,20 @@ class _Phase2RMSNorm(torch.autograd.Function):
         return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None
 
 
+class _Phase2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, obar, lse, partial, query, eps, scale):
+        out, stats = extension().phase2(obar, lse, partial, query, eps, scale)
+        ctx.scale = scale
+        ctx.save_for_backward(obar, partial, query, stats)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grads = extension().phase2_backward(grad_out, *ctx.saved_tensors, ctx.scale)
+        return *grads, None, None
+
+
 class _Phase1RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, obar: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float):
@@ -171,6 +185,19 @@ def _direct_append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor
     return extension().append_inverse_rms(blocks_inv_rms, block, eps)
 
 
+def _scale_value(scale: torch.Tensor | None) -> float:
+    """The step's output scale k, a 0-d buffer that no gradient reaches (`two_phase.phase2`), as the kernel takes it."""
+    return 1.0 if scale is None else scale.item()
+
+
+def _direct_phase2(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
+    return extension().phase2(obar, lse, partial, query, eps, _scale_value(scale))[0]
+
+
+def _recorded_phase2(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
+    return _Phase2.apply(obar, lse, partial, query, eps, _scale_value(scale))
+
+
 def _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
     if norm_weight.dtype != partial.dtype:
         return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
@@ -199,6 +226,7 @@ _OPERATIONS = {
     "phase1": (_direct_phase1, _recorded_phase1, _torch_phase1),
     "phase1_rms_norm": (_direct_phase1_rms_norm, _recorded_phase1_rms_norm, two_phase_torch.phase1_rms_norm),
     "phase2_rms_norm": (_direct_phase2_rms_norm, _recorded_phase2_rms_norm, two_phase_torch.phase2_rms_norm),
+    "phase2": (_direct_phase2, _recorded_phase2, two_phase.phase2),
     "append_inverse_rms": (
         _direct_append_inverse_rms,
         _AppendInverseRMS.apply,
@@ -223,12 +251,12 @@ def _with_autograd(direct: Callable, recorded: Callable, fallback: Callable) -> 
     """One operation where autograd may record: `fallback` while compiling, `recorded` where autograd records the
     call, `direct` otherwise."""
 
-    def operation(*args):
+    def operation(*args, **kwargs):
         if torch.compiler.is_compiling():
-            return fallback(*args)
+            return fallback(*args, **kwargs)
         if two_phase_torch.differentiating(*_tensors(args)):
-            return recorded(*args)
-        return direct(*args)
+            return recorded(*args, **kwargs)
+        return direct(*args, **kwargs)
 
     return operation
 
@@ -242,6 +270,7 @@ phase1_rms_norm = _WITH_AUTOGRAD["phase1_rms_norm"]
 phase2_rms_norm = _WITH_AUTOGRAD["phase2_rms_norm"]
 append_inverse_rms = _WITH_AUTOGRAD["append_inverse_rms"]
 close_block = _WITH_AUTOGRAD["close_block"]
+phase2 = _WITH_AUTOGRAD["phase2"]
 
 
 def implementations(differentiable: bool) -> dict[str, Callable]:
