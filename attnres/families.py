@@ -28,6 +28,26 @@ from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 
+@dataclass(frozen=True)
+class SharedStates:
+    """An object the family's model makes once per forward pass and gives the attention of every layer, where some
+    layers leave tensors for later ones to read: Kolibri 1.1's `KVSharingDict`, in which a layer whose keys and values
+    others reuse stores them under its index as a string, and those read them there. A pipeline stage boundary carries
+    the entries that the layers after it read (docs/design.md §11).
+
+    keyword: the keyword by which the attention takes it (`shared_kv_states`).
+    cls: its class in the family's modeling module (`KVSharingDict`).
+    sources: the config field that gives, per layer, the layer whose entry its attention reads, or its own index
+        where it reads none (`kv_source_layers`).
+    entry_size: the tensors of an entry (2: the keys and the values).
+    """
+
+    keyword: str
+    cls: str
+    sources: str
+    entry_size: int
+
+
 # How a decoder layer calls a sublayer's module, as the family's own decoder layer does (docs/design.md §10).
 ATTENTION = "attention"  # hidden_states, position embeddings, mask, position ids and the cache; returns (output, weights)
 # a linear attention (Gated DeltaNet, KDA) or a short convolution (LFM2): hidden_states, the cache and a 2D padding mask
@@ -78,10 +98,12 @@ class Sublayer:
         reuse from the last layer that ran its indexer; Kolibri 1.1's `index_pool`, the candidate keys of its last
         indexer), or `None`. The family's model threads it from layer to layer
         beside the residual stream, which it does not touch; the first layer is given `None`.
-    shared: the keyword and the class (in the family's modeling module) of an object the family's model makes once per
-        forward pass and gives the attention `module` of every layer (Kolibri 1.1's `shared_kv_states`, a
-        `KVSharingDict` where the layers that store their keys and values leave them for those that reuse them), or
-        `None`.
+    threaded_from: the config field of the layers whose attention starts what `threaded` passes on (Kolibri 1.1's
+        indexers, `index_layers`), where the layers before the first return `None`, so that a pipeline stage boundary
+        there carries nothing of it; `None` where every layer's returns a tensor (GLM-5's first layer runs its
+        indexer).
+    shared: the object the family's model makes once per forward pass and gives the attention `module` of every
+        layer (`SharedStates`), or `None`.
     input_argument: the keyword by which the attention `module` takes its input, as the family's layer passes it, or
         the keywords where it passes the input as several arguments (CTRL's attention, as `v`, `k` and `q`); `None`
         where it passes the input by position (RecurrentGemma's temporal blocks, whose recurrent and attention blocks
@@ -107,7 +129,8 @@ class Sublayer:
     output_bias: int | None = None
     dropout: str | None = None
     threaded: str | None = None
-    shared: tuple[str, str] | None = None
+    threaded_from: str | None = None
+    shared: SharedStates | None = None
     input_argument: str | tuple[str, ...] | None = "hidden_states"
     convolution: str | None = None
     padding_mask: str | None = None
@@ -777,11 +800,27 @@ class Family:
         return self.layer_sublayers[config.layer_types[layer_idx]]
 
     @property
-    def threads_attention_state(self) -> bool:
-        """The family's attention passes state from layer to layer beside the residual stream (`Sublayer.threaded`,
-        `Sublayer.shared`: GLM-5, Kolibri 1.1)."""
+    def shared_states(self) -> SharedStates | None:
+        """The object the family's attention shares between layers (`Sublayer.shared`: Kolibri 1.1's), or `None`."""
         layers = (self.layer_sublayers or {None: self.sublayers}).values()
-        return any(sublayer.threaded or sublayer.shared for sublayers in layers for sublayer in sublayers)
+        return next((sublayer.shared for sublayers in layers for sublayer in sublayers if sublayer.shared), None)
+
+    def threaded_layers(self, config) -> tuple[int, ...]:
+        """The layers whose attention returns a tensor that the next layer's attention takes (`Sublayer.threaded`):
+        both layers thread it, and the layer is the first that starts it (`Sublayer.threaded_from`) or a later one."""
+
+        def threading(layer_idx: int) -> Sublayer | None:
+            return next((sublayer for sublayer in self.sublayers_of(config, layer_idx) if sublayer.threaded), None)
+
+        layers = []
+        for layer_idx in range(config.num_hidden_layers - 1):
+            sublayer = threading(layer_idx)
+            if sublayer is None or threading(layer_idx + 1) is None:
+                continue
+            starts = self.config_value(config, sublayer.threaded_from) if sublayer.threaded_from else (0,)
+            if any(start <= layer_idx for start in starts):
+                layers.append(layer_idx)
+        return tuple(layers)
 
     def layer_offsets(self, config) -> tuple[int, ...]:
         """Where each decoder layer's sublayers sit among the model's L (docs/design.md §1): entry i is the number of
@@ -1346,7 +1385,8 @@ FAMILIES = {
                     "input_layernorm",
                     ("post_self_attn_layernorm",),
                     threaded="index_pool",
-                    shared=("shared_kv_states", "KVSharingDict"),
+                    threaded_from="index_layers",
+                    shared=SharedStates("shared_kv_states", "KVSharingDict", "kv_source_layers", 2),
                 ),
                 GLM4_NORMS[1],
             ),

@@ -360,7 +360,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         self.cache_states = family.own_cache.states if family.own_cache is not None else None
         # The objects the family's model makes once per forward pass for its layers' attention (`Sublayer.shared`).
         self.shared_per_forward = {
-            sublayer.shared[0]: getattr(family.modeling, sublayer.shared[1])
+            sublayer.shared.keyword: getattr(family.modeling, sublayer.shared.cls)
             for sublayer in self.sublayers
             if sublayer.shared is not None
         }

@@ -30,8 +30,10 @@ from conftest import (  # noqa: E402
     randomize_depth_parameters,
     tiny_config,
 )
+from family_cases import source_model  # noqa: E402
 
 from attnres import AttnResForCausalLM  # noqa: E402
+from attnres.conversion.architectures import attnres_config  # noqa: E402
 from attnres.training.pipeline import (  # noqa: E402
     CachingPipelineStage,
     PipelineLayout,
@@ -46,6 +48,22 @@ from attnres.training.pipeline import (  # noqa: E402
 STEPS, BATCH, SEQ_LEN, LEARNING_RATE = 3, 8, 16, 0.5
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+# 4 layers of the families whose attention passes state from layer to layer (their cases in tests/family_cases.py).
+# GLM-5: layers 1 and 2 reuse the top-k indices of layer 0's indexer, layer 3 runs its own.
+GLM_LAYOUT = dict(indexer_types=["full", "shared", "shared", "full"], mlp_layer_types=["dense"] + ["sparse"] * 3)
+# Kolibri 1.1: layers 2 and 3 reuse the keys and values of layer 0, on 2 ranks x 2 stages one on the other stage of
+# its rank and one on the other rank; the key pool of layer 0's indexer reaches every layer.
+KOLIBRI_LAYOUT = dict(
+    layer_types=["indexed_attention", "sliding_attention", "indexed_attention", "indexed_attention"],
+    kv_source_layers=[0, 1, 0, 0],
+)
+# A sliding layer before the first indexer, whose key pool starts at layer 1, and a layer that reuses the keys and
+# values of the layer before it, which no layer after layer 2 reads.
+KOLIBRI_SLIDING_FIRST = dict(
+    layer_types=["sliding_attention", "indexed_attention", "indexed_attention", "sliding_attention"],
+    index_layers=[1],
+    kv_source_layers=[0, 1, 1, 3],
+)
 
 
 class Case(NamedTuple):
@@ -62,6 +80,8 @@ class Case(NamedTuple):
     save: bool = False  # evaluation logits and a checkpoint
     # The steps under `torch.autocast(bfloat16)`, from a freshly converted Llama (`converted_model`).
     mixed_precision: bool = False
+    # A case of tests/family_cases.py whose family model, `model` overriding its config, is converted (`family_model`).
+    family: str | None = None
 
 
 CASES = {
@@ -88,6 +108,10 @@ CASES = {
     "block-interleaved-4-naive": Case(
         dict(block_size=4, num_hidden_layers=8), 4, 2, "interleaved-1f1b", 4, cross_stage_cache=False
     ),
+    # What GLM-5's and Kolibri 1.1's attention passes from layer to layer crosses the boundaries.
+    "glm-5-interleaved": Case(GLM_LAYOUT, 2, 2, "interleaved-1f1b", 4, family="glm_moe_dsa"),
+    "kolibri-1.1-interleaved": Case(KOLIBRI_LAYOUT, 2, 2, "interleaved-1f1b", 4, family="kolibri1_1"),
+    "kolibri-1.1-sliding-first-1f1b": Case(KOLIBRI_SLIDING_FIRST, 2, 1, "1f1b", 4, family="kolibri1_1"),
     # 4 processes: 2 stages, each sharded over 2 by FSDP2.
     "fsdp-2x2": Case(dict(block_size=3, num_hidden_layers=4, **MOE), 2, 1, "1f1b", 2, data_parallel=2, save=True),
 }
@@ -95,10 +119,12 @@ CASES = {
 
 def build_model(case: Case) -> AttnResForCausalLM:
     """The case's model, the same in every process: seeded, with random pseudo-queries (`converted_model` for the
-    mixed-precision cases), activation checkpointing on (non-reentrant, the exact kind for MoE routers,
-    docs/training.md)."""
+    mixed-precision cases, `family_model` for a family's), activation checkpointing on (non-reentrant, the exact kind
+    for MoE routers, docs/training.md)."""
     if case.mixed_precision:
         model = converted_model(case.model)
+    elif case.family is not None:
+        model = family_model(case.family, case.model)
     else:
         torch.manual_seed(0)
         model = AttnResForCausalLM(tiny_config(**SHAPE, **case.model))
@@ -115,6 +141,17 @@ def converted_model(fields: dict) -> AttnResForCausalLM:
     shape = {**TINY_SHAPE, **SHAPE, "num_hidden_layers": fields["num_hidden_layers"]}
     source = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]))
     return exact_retrofit(source, fields.get("residual_mode", "block"), fields.get("block_size"))
+
+
+def family_model(family_case: str, fields: dict) -> AttnResForCausalLM:
+    """The seeded model of `family_case` (tests/family_cases.py), 4 layers with `fields` overriding its config,
+    converted to Block AttnRes (blocks of 3 sublayers, spanning the cuts) with random pseudo-queries."""
+    source = source_model(family_case, num_hidden_layers=4, **fields)
+    config = attnres_config(source.config, mode="block", block_size=3, exact_retrofit=False)
+    torch.manual_seed(0)
+    model = AttnResForCausalLM(config)
+    randomize_depth_parameters(model)
+    return model
 
 
 def batches(seed: int = 1) -> list[torch.Tensor]:

@@ -10,15 +10,18 @@ paper's cross-stage caching (docs/design.md §11; the recipe: docs/training.md#p
 A stage runs whole decoder layers; the first holds the embedding, the last the output's depth mixing, the final norm
 and the LM head. What crosses a boundary is the depth state as tensors (`Boundary`): the completed blocks, the
 partial sum of the current block (the residual stream in standard mode), and, for an MoE model's load-balancing
-loss, the router logits of the layers before it. Stage s runs on rank s % num_ranks (the engine's loop placement),
-so with several stages per rank a microbatch comes back to a rank that already holds the blocks it received or
-produced there: each rank keeps them (`CrossStageCache`), and a boundary sends only what the receiving rank lacks.
+loss, the router logits of the layers before it; and what the attention passes on beside the stream where the family
+threads state between layers (GLM-5's top-k indices, Kolibri 1.1's key pool and shared keys and values). Stage s runs
+on rank s % num_ranks (the engine's loop placement), so with several stages per rank a microbatch comes back to a rank
+that already holds the blocks it received or produced there: each rank keeps them (`CrossStageCache`), and a boundary
+sends only what the receiving rank lacks.
 """
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -60,16 +63,22 @@ RESIDUAL_MODES = ("standard", "block", "full")
 
 class Transfer(NamedTuple):
     """What one stage boundary sends of a microbatch: which completed blocks (b_0, the embedding, is block 0),
-    whether the partial sum (the residual stream in standard mode), and which router logits (counted over the
-    layers that have a router)."""
+    whether the partial sum (the residual stream in standard mode), which router logits (counted over the layers
+    that have a router), whether what the last layer's attention threads to the next (`Sublayer.threaded`), and the
+    entries of the object the layers' attention shares (`Sublayer.shared`), by the layer that left each, of
+    `entry_size` tensors."""
 
     blocks: range
     partial: bool
     router_logits: range
+    threaded: bool
+    shared: tuple[int, ...]
+    entry_size: int
 
     @property
     def num_tensors(self) -> int:
-        return len(self.blocks) + self.partial + len(self.router_logits)
+        depth_state = len(self.blocks) + self.partial
+        return depth_state + len(self.router_logits) + self.threaded + len(self.shared) * self.entry_size
 
 
 class PipelineLayout(NamedTuple):
@@ -82,6 +91,11 @@ class PipelineLayout(NamedTuple):
     block_size: sublayers per block, or `None` in standard mode, whose state is the residual stream alone.
     router_layers: the layers whose router logits the load-balancing loss reads (none unless the model computes it),
         each once per router it runs (JetMoE's layers run two).
+    threaded_layers: the layers whose attention returns a tensor that the next layer's attention takes
+        (`Sublayer.threaded`, `Sublayer.threaded_from`).
+    shared_sources: per layer, the layer whose entry of the shared object its attention reads, its own index where it
+        reads none (`SharedStates.sources`); empty where the family's attention shares none.
+    entry_size: the tensors of such an entry (`SharedStates.entry_size`).
     """
 
     stage_layers: tuple[range, ...]
@@ -89,6 +103,9 @@ class PipelineLayout(NamedTuple):
     layer_offsets: tuple[int, ...]
     block_size: int | None
     router_layers: tuple[int, ...]
+    threaded_layers: tuple[int, ...]
+    shared_sources: tuple[int, ...]
+    entry_size: int
 
     @classmethod
     def of(cls, model: AttnResForCausalLM, num_ranks: int, stages_per_rank: int = 1) -> "PipelineLayout":
@@ -96,8 +113,7 @@ class PipelineLayout(NamedTuple):
 
         Raises:
             ValueError: a residual mode other than standard, Block or Full AttnRes (or an ablation of it), tied input
-                and output embeddings, a family whose attention threads state between layers, fewer than 2 ranks, or
-                more stages than decoder layers.
+                and output embeddings, fewer than 2 ranks, or more stages than decoder layers.
         """
         config = model.config
         if config.residual_mode not in RESIDUAL_MODES or config.depth_ablation is not None:
@@ -109,13 +125,6 @@ class PipelineLayout(NamedTuple):
             raise ValueError(
                 "tie_word_embeddings=True: the first stage's embedding and the last stage's LM head would be one "
                 "weight on two ranks; pipeline stages split untied models only"
-            )
-        family = FAMILIES[config.family]
-        if family.threads_attention_state:
-            raise ValueError(
-                f"family={config.family!r}: its attention passes state from each layer to the next beside the residual "
-                "stream (GLM-5's top-k indices, Kolibri 1.1's key pool), which pipeline stages do not carry across "
-                "their boundaries; pipeline stages split the other families"
             )
         if num_ranks < 2:
             raise ValueError(f"num_ranks={num_ranks}: a pipeline needs at least 2 ranks")
@@ -132,12 +141,24 @@ class PipelineLayout(NamedTuple):
             bounds.append(bounds[-1] + per_stage + (stage < remainder))
         layers = tuple(range(start, stop) for start, stop in zip(bounds, bounds[1:]))
         block_size = None if config.residual_mode == "standard" else config.depth_block_size
-        moe = FAMILIES[config.family].moe
+        family = FAMILIES[config.family]
+        moe = family.moe
         with_aux_loss = bool(moe and moe.load_balancing_loss and config.output_router_logits)
         routers = tuple(
             i for i, layer in enumerate(model.model.layers) if with_aux_loss for _ in moe.routers_of(layer)
         )
-        return cls(layers, num_ranks, config.layer_offsets, block_size, routers)
+        shared = family.shared_states
+        sources = tuple(family.config_value(config, shared.sources)) if shared else ()
+        return cls(
+            layers,
+            num_ranks,
+            config.layer_offsets,
+            block_size,
+            routers,
+            family.threaded_layers(config),
+            sources,
+            shared.entry_size if shared else 0,
+        )
 
     @property
     def num_stages(self) -> int:
@@ -171,16 +192,32 @@ class PipelineLayout(NamedTuple):
         """Whether the boundary after `stage` cuts a block (or carries the residual stream, in standard mode)."""
         return self.block_size is None or self.sublayers_through(stage) % self.block_size != 0
 
+    def threaded_after(self, stage: int) -> bool:
+        """Whether the boundary after `stage` carries what its last layer's attention threads to the next layer's."""
+        return self.stage_layers[stage].stop - 1 in self.threaded_layers
+
+    def shared_after(self, stage: int) -> tuple[int, ...]:
+        """The layers up to the end of `stage` whose entries of the shared object a layer of a later stage reads, in
+        order: an entry whose readers have all run is not carried on."""
+        stop = self.stage_layers[stage].stop
+        return tuple(sorted({source for layer, source in enumerate(self.shared_sources) if source < stop <= layer}))
+
     def transfer(self, stage: int, cached: bool) -> Transfer:
         """What the boundary after `stage` sends. Without caching, everything the next stage reads; with it, only
-        what its rank did not hold after its previous stage, `num_ranks` stages back."""
+        what its rank did not hold after its previous stage, `num_ranks` stages back (the threaded tensor, the last
+        layer's, always)."""
         last_seen = stage + 1 - self.num_ranks
-        known_blocks = self.blocks_after(last_seen) if cached and last_seen >= 0 else 0
-        known_routers = self.routers_after(last_seen) if cached and last_seen >= 0 else 0
+        seen = cached and last_seen >= 0
+        known_blocks = self.blocks_after(last_seen) if seen else 0
+        known_routers = self.routers_after(last_seen) if seen else 0
+        known_shared = self.shared_after(last_seen) if seen else ()
         return Transfer(
             range(known_blocks, self.blocks_after(stage)),
             self.partial_after(stage),
             range(known_routers, self.routers_after(stage)),
+            self.threaded_after(stage),
+            tuple(layer for layer in self.shared_after(stage) if layer not in known_shared),
+            self.entry_size,
         )
 
     def tensors_sent(self, cached: bool) -> int:
@@ -189,21 +226,38 @@ class PipelineLayout(NamedTuple):
 
 
 class Boundary(NamedTuple):
-    """The depth state as it crosses a stage boundary (`Transfer` says which of it a boundary sends)."""
+    """The state that crosses a stage boundary, as tensors (`Transfer` says which of it a boundary sends): the depth
+    state, the router logits, what the attention threads to the next layer and the entries of the object it shares."""
 
     blocks: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
     router_logits: tuple[torch.Tensor, ...]
+    threaded: torch.Tensor | None
+    shared: tuple[tuple[torch.Tensor, ...], ...]
 
     def flatten(self) -> tuple[torch.Tensor, ...]:
+        """The tensors in order, each contiguous: the engine sends a tensor's memory as it lies, and the keys and values
+        an attention shares may be views (Kolibri 1.1's, transposed); a contiguous tensor is sent as it is."""
         partial = () if self.partial is None else (self.partial,)
-        return (*self.blocks, *partial, *self.router_logits)
+        threaded = () if self.threaded is None else (self.threaded,)
+        tensors = (*self.blocks, *partial, *self.router_logits, *threaded, *(t for entry in self.shared for t in entry))
+        return tuple(tensor.contiguous() for tensor in tensors)
 
     @classmethod
     def unflatten(cls, tensors: Sequence[torch.Tensor], transfer: Transfer) -> "Boundary":
         blocks, rest = tuple(tensors[: len(transfer.blocks)]), tensors[len(transfer.blocks) :]
         partial, rest = (rest[0], rest[1:]) if transfer.partial else (None, rest)
-        return cls(blocks, partial, tuple(rest))
+        router_logits, rest = tuple(rest[: len(transfer.router_logits)]), rest[len(transfer.router_logits) :]
+        threaded, rest = (rest[0], rest[1:]) if transfer.threaded else (None, rest)
+        return cls(blocks, partial, router_logits, threaded, entries(rest, transfer.entry_size))
+
+
+def entries(tensors: Sequence[torch.Tensor], size: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """`tensors` in entries of `size` tensors each, in order; none where the family's attention shares no object
+    (`size` 0)."""
+    if size == 0:
+        return ()
+    return tuple(tuple(tensors[start : start + size]) for start in range(0, len(tensors), size))
 
 
 class CachedCopy(NamedTuple):
@@ -231,10 +285,12 @@ class AddCachedGradient(torch.autograd.Function):
 
 class Held(NamedTuple):
     """What a rank holds of one microbatch after running one of its stages: the completed blocks and the router
-    logits so far, each a leaf that the rank's later stages read as it is (`CrossStageCache`)."""
+    logits so far, and the entries of the attention's shared object that later layers read, by the layer that left
+    each; every tensor a leaf that the rank's later stages read as it is (`CrossStageCache`)."""
 
     blocks: tuple[torch.Tensor, ...] = ()
     router_logits: tuple[torch.Tensor, ...] = ()
+    shared: Mapping[int, tuple[torch.Tensor, ...]] = MappingProxyType({})
 
 
 class CrossStageCache:
@@ -293,7 +349,9 @@ class AttnResStage(nn.Module):
             self.model.norm = backbone.norm
             self.lm_head = model.lm_head
             self.prediction_head = model.prediction_head
-        self.microbatch: int | None = None  # set by `CachingPipelineStage` around each forward
+        # The microbatch the stage runs, which `CachingPipelineStage` sets around each forward; `None` outside them,
+        # where the engine infers what the stage returns by running it on tensors of arbitrary values.
+        self.microbatch: int | None = 0
         self.recorded_router_logits: list[torch.Tensor] | None = None
         moe = FAMILIES[self.config.family].moe
         for index in layout.stage_layers[stage]:
@@ -346,11 +404,21 @@ class AttnResStage(nn.Module):
                 getattr(self.model, "norm", None),
             )
             state, context = self.first_mixer.initial_state(inputs_embeds, self.depth_queries(), False)
-            started_from = Held()
+            started_from, previous_threaded = Held(), None
         else:
+            if self.microbatch is None:
+                # The engine's inference: arbitrary integers would index out of range (GLM-5's top-k indices), zeros
+                # do not.
+                inputs = tuple(t if t.is_floating_point() else torch.zeros_like(t) for t in inputs)
             held = self.cache.held(self.microbatch) if cached else Held()
-            received = Boundary.unflatten(inputs, self.layout.transfer(self.stage_index - 1, cached))
-            started_from = Held(held.blocks + received.blocks, held.router_logits + received.router_logits)
+            transfer = self.layout.transfer(self.stage_index - 1, cached)
+            received = Boundary.unflatten(inputs, transfer)
+            started_from = Held(
+                held.blocks + received.blocks,
+                held.router_logits + received.router_logits,
+                {**held.shared, **dict(zip(transfer.shared, received.shared))},
+            )
+            previous_threaded = received.threaded
             if self.layout.block_size is None:
                 state, context = ResidualStream(received.partial), DepthContext()
             else:
@@ -368,7 +436,7 @@ class AttnResStage(nn.Module):
             self.model.rotary_emb, FAMILIES[self.config.family], rotary_types, hidden_states, position_ids
         )
         self.recorded_router_logits = []
-        threaded = {}  # within the stage: what a stage's first layer would take from the previous stage is not carried
+        threaded = self.threaded_state(previous_threaded, started_from.shared)
         try:
             for layer in self.model.layers.values():
                 state = layer(
@@ -388,7 +456,19 @@ class AttnResStage(nn.Module):
 
         if self.is_last:
             return self.output(state, context, router_logits)
-        return self.hand_on(state, router_logits, started_from)
+        return self.hand_on(state, router_logits, started_from, threaded)
+
+    def threaded_state(self, previous: torch.Tensor | None, shared: Mapping[int, tuple[torch.Tensor, ...]]) -> dict:
+        """What the layers' attentions pass on beside the stream (`AttnResDecoderLayer`'s `threaded`) as the stage's
+        first layer finds it in the whole model: what the previous layer's attention returned for it, and the family's
+        shared object holding the entries of earlier layers that this stage's layers or later ones read."""
+        threaded = {} if previous is None else {self.layout.stage_layers[self.stage_index].start - 1: previous}
+        family = FAMILIES[self.config.family]
+        if family.shared_states is not None:
+            states = getattr(family.modeling, family.shared_states.cls)()
+            states.update({str(layer): entry for layer, entry in shared.items()})
+            threaded[family.shared_states.keyword] = states
+        return threaded
 
     def output(self, state: NamedTuple, context: DepthContext, router_logits: tuple[torch.Tensor, ...]):
         """The logits, and the load-balancing loss `[1]` where the model computes one."""
@@ -399,35 +479,51 @@ class AttnResStage(nn.Module):
         aux_loss = FAMILIES[self.config.family].load_balancing_loss(self.config, router_logits, None)
         return logits, aux_loss.reshape(1)
 
-    def hand_on(self, state: NamedTuple, router_logits: tuple[torch.Tensor, ...], started_from: Held) -> tuple:
-        """The tensors the boundary after this stage sends; with caching, what the rank keeps first. The blocks the
-        stage started from are handed on and kept as the tensors it was given (an activation-checkpointed layer may
-        return its inputs as new tensors of its own graph), those it completed as produced here."""
+    def hand_on(
+        self, state: NamedTuple, router_logits: tuple[torch.Tensor, ...], started_from: Held, threaded: dict
+    ) -> tuple:
+        """The tensors the boundary after this stage sends; with caching, what the rank keeps first. The blocks and
+        shared entries the stage started from are handed on and kept as the tensors it was given (an
+        activation-checkpointed layer may return its inputs as new tensors of its own graph), those it completed or
+        left as produced here."""
         if isinstance(state, ResidualStream):
             blocks, partial = (), state.hidden_states
         else:
             blocks, partial = started_from.blocks + state.blocks[len(started_from.blocks) :], state.partial
+        shared_layers = self.layout.shared_after(self.stage_index)
+        if shared_layers:
+            states = threaded[FAMILIES[self.config.family].shared_states.keyword]
+            shared = tuple(started_from.shared.get(layer) or tuple(states[str(layer)]) for layer in shared_layers)
+        else:
+            shared = ()
         cached = self.cache is not None
         if cached:
             # Everything produced here is sent (the receiving rank last saw this microbatch before this stage ran),
-            # through `AddCachedGradient`.
+            # through `AddCachedGradient`. The entries the stage started from come first: they were left by the
+            # layers of earlier stages.
             blocks, kept_blocks = keep(blocks, len(started_from.blocks))
             router_logits, kept_router_logits = keep(router_logits, len(started_from.router_logits))
-            self.cache.hold(self.microbatch, Held(kept_blocks, kept_router_logits))
+            size, num_before = self.layout.entry_size, sum(layer in started_from.shared for layer in shared_layers)
+            sent_shared, kept_shared = keep(tuple(t for entry in shared for t in entry), num_before * size)
+            shared = entries(sent_shared, size)
+            held = Held(kept_blocks, kept_router_logits, dict(zip(shared_layers, entries(kept_shared, size))))
+            self.cache.hold(self.microbatch, held)
         transfer = self.layout.transfer(self.stage_index, cached)
         boundary = Boundary(
             tuple(blocks[i] for i in transfer.blocks),
             partial if transfer.partial else None,
             tuple(router_logits[i] for i in transfer.router_logits),
+            threaded[self.layout.stage_layers[self.stage_index].stop - 1] if transfer.threaded else None,
+            tuple(shared[shared_layers.index(layer)] for layer in transfer.shared),
         )
         return boundary.flatten()
 
 
 def keep(tensors: tuple[torch.Tensor, ...], num_before: int) -> tuple[tuple, tuple]:
     """`tensors` as a stage sends them and as its rank keeps them: the first `num_before` (those it started from:
-    received, or read from the cache) as they are; each later one, produced by the stage, kept as a leaf sharing its memory and sent through
-    `AddCachedGradient`, which adds the leaf's gradient in the stage's backward pass. Without autograd (evaluation)
-    every tensor is kept as it is."""
+    received, or read from the cache) as they are; each later one, produced by the stage, kept as a leaf sharing its
+    memory and sent through `AddCachedGradient`, which adds the leaf's gradient in the stage's backward pass. Without
+    autograd (evaluation, an integer tensor) a tensor is kept as it is."""
     sent, kept = list(tensors[:num_before]), list(tensors[:num_before])
     for tensor in tensors[num_before:]:
         if not tensor.requires_grad:
@@ -451,11 +547,13 @@ class Traffic:
 
 class CachingPipelineStage(PipelineStage):
     """The engine's `PipelineStage` for an `AttnResStage`: it tells the module which microbatch it runs (so that it
-    finds what its rank holds of it), empties the rank's cache with the engine's own per-step state, and counts the
-    bytes it sends (`traffic`)."""
+    finds what its rank holds of it) or that it runs outside one (the engine's inference of what it returns, from
+    inputs of arbitrary values), empties the rank's cache with the engine's own per-step state, and counts the bytes
+    it sends (`traffic`)."""
 
     def __init__(self, module: AttnResStage, device: torch.device, group: dist.ProcessGroup | None = None):
         super().__init__(module, module.stage_index, module.layout.num_stages, device, group=group)
+        module.microbatch = None  # until a chunk runs: the engine's inference of the stage's outputs comes first
         self.traffic = Traffic()
 
     def forward_one_chunk(
@@ -495,13 +593,13 @@ def stage_modules(
 
 class PipelineLoss:
     """The engine's loss function on the last stage's output: the model's causal-LM loss (Transformers'
-    `ForCausalLMLoss`, which shifts the labels) of one microbatch, plus `router_aux_loss_coef` times its
-    load-balancing loss for an MoE model and the family's z-loss (Bamba's), as `AttnResForCausalLM.forward` adds
-    them."""
+    `ForCausalLMLoss`, which shifts the labels) of one microbatch over the logits the model returns (fewer than its
+    vocabulary where the family drops padding rows, Inkling's `Family.unpadded_vocab`), plus `router_aux_loss_coef`
+    times its load-balancing loss for an MoE model and the family's z-loss (Bamba's), as `AttnResForCausalLM.forward`
+    adds them."""
 
     def __init__(self, config):
         self.config = config
-        self.vocab_size = config.vocab_size
         family = FAMILIES[config.family]
         moe = family.moe
         with_loss = moe and moe.load_balancing_loss
@@ -509,7 +607,7 @@ class PipelineLoss:
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         logits, aux_loss = output if isinstance(output, tuple) else (output, None)
-        loss = with_family_z_loss(self.config, ForCausalLMLoss(logits, labels, self.vocab_size), logits)
+        loss = with_family_z_loss(self.config, ForCausalLMLoss(logits, labels, logits.shape[-1]), logits)
         return loss if aux_loss is None else loss + self.router_aux_loss_coef * aux_loss[0]
 
 
