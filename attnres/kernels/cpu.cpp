@@ -118,40 +118,6 @@ float inverse_rms(const float* v, int64_t n, float eps) {
   return 1.f / std::sqrt(dot(v, v, n) * (1.f / static_cast<float>(n)) + eps);
 }
 
-// What phase 2's backward pass reuses of one token's forward pass: the partial's score `raw = v . q`, its inverse
-// RMS, and the gate `sigmoid(raw * inv_rms - lse)`, the partial's softmax weight.
-struct MergeStats {
-  float gate, raw, inv_rms;
-};
-
-// Phase 2 for one token (docs/design.md §6): the partial `v`'s logit against phase 1's `lse`, and `h` merged.
-MergeStats merge_token(const float* o, const float* v, const float* q, float lse, int64_t n, float eps, float* h) {
-  const float raw = dot(v, q, n);
-  const float inv_rms = inverse_rms(v, n, eps);
-  const float gate = 1.f / (1.f + std::exp(lse - raw * inv_rms));
-  merge(o, v, gate, n, h);
-  return {gate, raw, inv_rms};
-}
-
-// The backward pass of `merge_token` from `gh = dL/dh`: writes `grad_o` and `grad_v`, adds to `grad_q`, and returns
-// the gradient of `lse`.
-template <typename scalar_t>
-float merge_token_backward(
-    const float* gh, const float* o, const float* v, const float* q, const MergeStats& stats, int64_t n,
-    float* grad_o, scalar_t* grad_v, float* grad_q) {
-  // gh . (v - o) as two `dot`s: vectorised, where one loop's running sum would be a serial chain.
-  const float gate = stats.gate, inv_rms = stats.inv_rms;
-  const float grad_logit = (dot(gh, v, n) - dot(gh, o, n)) * gate * (1.f - gate);
-  const float query_coef = grad_logit * inv_rms;
-  const float value_coef = grad_logit * stats.raw * inv_rms * inv_rms * inv_rms * (1.f / static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    grad_o[i] = gh[i] * (1.f - gate);
-    grad_v[i] = static_cast<scalar_t>(gh[i] * gate + query_coef * q[i] - value_coef * v[i]);
-    grad_q[i] += query_coef * v[i];
-  }
-  return -grad_logit;
-}
-
 // Llama's RMSNorm of one fp32 row `h` with gain `w`, `y = w * (h * r)`, written in the output dtype; returns r.
 template <typename scalar_t>
 float normalize(const float* h, const float* w, int64_t n, float eps, scalar_t* y) {
@@ -260,37 +226,45 @@ at::Tensor append_inverse_rms(const at::Tensor& blocks_inv_rms, const at::Tensor
   return result;
 }
 
-// `two_phase.phase2_rms_norm` and the per-token scalars its backward pass reuses: `(out, stats)`, with `stats`
-// `[4, *tokens]` fp32 holding (gate, raw, inv_rms, norm_inv_rms).
-std::vector<at::Tensor> phase2_rms_norm(
+// Phase 2 (docs/design.md §6) and the per-token scalars its backward pass reuses: `(out, stats)`, with `stats`
+// `[4, *tokens]` fp32 holding (gate, raw, inv_rms, norm_inv_rms). With `norm_weight`, `two_phase.phase2_rms_norm`:
+// `h` normalised by the sublayer's RMSNorm (gain `norm_weight`, eps `norm_eps`). Without, `two_phase.phase2`: the input
+// `k * h` itself (k = `scale`, the step's output scale), for a sublayer whose pre-norm is the family's own (Gemma's
+// `1 + w`, a LayerNorm); `norm_inv_rms` is then not written.
+std::vector<at::Tensor> phase2(
     const at::Tensor& obar,
     const at::Tensor& lse,
     const at::Tensor& partial,
     const at::Tensor& query,
     double eps,
-    const at::Tensor& norm_weight,
-    double norm_eps) {
+    const std::optional<at::Tensor>& norm_weight,
+    double norm_eps,
+    double scale) {
   check_fp32(obar, "obar");
   check_fp32(lse, "lse");
   check_fp32(query, "query");
-  TORCH_CHECK(norm_weight.scalar_type() == partial.scalar_type(), "norm_weight must have the partial's dtype");
+  const bool normalizes = norm_weight.has_value();
+  TORCH_CHECK(!normalizes || norm_weight->scalar_type() == partial.scalar_type(),
+              "norm_weight must have the partial's dtype");
   const int64_t hidden = partial.size(-1);
   const int64_t tokens = partial.numel() / hidden;
   TORCH_CHECK(obar.numel() == tokens * hidden && lse.numel() == tokens, "obar / lse do not match the partial");
-  TORCH_CHECK(query.numel() == hidden && norm_weight.numel() == hidden, "query / norm_weight must be [hidden]");
+  TORCH_CHECK(query.numel() == hidden && (!normalizes || norm_weight->numel() == hidden),
+              "query / norm_weight must be [hidden]");
 
   const auto obar_c = obar.contiguous(), lse_c = lse.contiguous(), partial_c = partial.contiguous();
-  const auto query_c = query.contiguous(), weight_c = norm_weight.contiguous();
+  const auto query_c = query.contiguous(), weight_c = normalizes ? norm_weight->contiguous() : at::Tensor();
   auto out = at::empty_like(partial_c);
   const auto token_shape = partial.sizes().slice(0, partial.dim() - 1);
   std::vector<int64_t> stats_shape{4};
   stats_shape.insert(stats_shape.end(), token_shape.begin(), token_shape.end());
   auto stats = at::empty(stats_shape, partial.options().dtype(at::kFloat));
   const float eps_f = static_cast<float>(eps), norm_eps_f = static_cast<float>(norm_eps);
+  const float scale_f = static_cast<float>(scale);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2", [&] {
     const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
-    const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
+    const scalar_t* weight_p = normalizes ? weight_c.data_ptr<scalar_t>() : nullptr;
     scalar_t* out_p = out.data_ptr<scalar_t>();
     const float* obar_p = obar_c.data_ptr<float>();
     const float* lse_p = lse_c.data_ptr<float>();
@@ -301,15 +275,23 @@ std::vector<at::Tensor> phase2_rms_norm(
     float* norm_inv_rms_p = inv_rms_p + tokens;
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden), hidden_row(hidden), weight(hidden);
-      const float* w = fp32_row(weight_p, hidden, weight.data());
+      const float* w = normalizes ? fp32_row(weight_p, hidden, weight.data()) : nullptr;
       float* h = hidden_row.data();
       for (int64_t t = begin; t < end; ++t) {
         const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
-        const MergeStats merged = merge_token(obar_p + t * hidden, v, query_p, lse_p[t], hidden, eps_f, h);
-        norm_inv_rms_p[t] = normalize(h, w, hidden, norm_eps_f, out_p + t * hidden);
-        gate_p[t] = merged.gate;
-        raw_p[t] = merged.raw;
-        inv_rms_p[t] = merged.inv_rms;
+        const float raw = dot(v, query_p, hidden);
+        const float inv_rms = inverse_rms(v, hidden, eps_f);
+        const float gate = 1.f / (1.f + std::exp(lse_p[t] - raw * inv_rms));
+        merge(obar_p + t * hidden, v, gate, hidden, h);
+        scalar_t* y = out_p + t * hidden;
+        if (normalizes) {
+          norm_inv_rms_p[t] = normalize(h, w, hidden, norm_eps_f, y);
+        } else {
+          for (int64_t i = 0; i < hidden; ++i) y[i] = static_cast<scalar_t>(h[i] * scale_f);
+        }
+        gate_p[t] = gate;
+        raw_p[t] = raw;
+        inv_rms_p[t] = inv_rms;
       }
     });
   });
@@ -635,31 +617,34 @@ std::vector<at::Tensor> phase1_backward(
   return result;
 }
 
-// The backward pass of `phase2_rms_norm`, as `two_phase_torch._Phase2RMSNorm.backward` derives it, from the forward
-// pass's per-token scalars (`stats`: gate, raw, inv_rms, norm_inv_rms), with `h` recomputed.
-// Returns `(grad_obar, grad_lse, grad_partial, grad_query, grad_norm_weight)`.
-std::vector<at::Tensor> phase2_rms_norm_backward(
+// The backward pass of `phase2`, as `two_phase_torch._Phase2RMSNorm.backward` derives it, from the forward pass's
+// per-token scalars (`stats`), with `h` recomputed where the norm reads it. Returns `(grad_obar, grad_lse,
+// grad_partial, grad_query, grad_norm_weight)`, the last undefined (`None`) without a norm.
+std::vector<at::Tensor> phase2_backward(
     const at::Tensor& grad_out,
     const at::Tensor& obar,
     const at::Tensor& partial,
     const at::Tensor& query,
-    const at::Tensor& norm_weight,
-    const at::Tensor& stats) {
+    const std::optional<at::Tensor>& norm_weight,
+    const at::Tensor& stats,
+    double scale) {
+  const bool normalizes = norm_weight.has_value();
   const int64_t hidden = partial.size(-1);
   const int64_t tokens = partial.numel() / hidden;
   const auto go_c = grad_out.to(partial.scalar_type()).contiguous(), obar_c = obar.contiguous();
-  const auto partial_c = partial.contiguous();
-  const auto query_c = query.contiguous(), weight_c = norm_weight.contiguous(), stats_c = stats.contiguous();
+  const auto partial_c = partial.contiguous(), query_c = query.contiguous(), stats_c = stats.contiguous();
+  const auto weight_c = normalizes ? norm_weight->contiguous() : at::Tensor();
   auto grad_obar = at::empty_like(obar_c);
   auto grad_lse = at::empty(stats.sizes().slice(1), obar_c.options());
   auto grad_partial = at::empty_like(partial_c);
   const int64_t chunks = num_chunks(tokens);
   auto sums = at::zeros({chunks, 2, hidden}, obar_c.options());  // per chunk: grad_query, grad_norm_weight
+  const float inv_hidden = 1.f / static_cast<float>(hidden), scale_f = static_cast<float>(scale);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_rms_norm_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_backward", [&] {
     const scalar_t* go_p = go_c.data_ptr<scalar_t>();
     const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
-    const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
+    const scalar_t* weight_p = normalizes ? weight_c.data_ptr<scalar_t>() : nullptr;
     scalar_t* grad_partial_p = grad_partial.data_ptr<scalar_t>();
     const float* obar_p = obar_c.data_ptr<float>();
     const float* query_p = query_c.data_ptr<float>();
@@ -671,121 +656,38 @@ std::vector<at::Tensor> phase2_rms_norm_backward(
     float* grad_lse_p = grad_lse.data_ptr<float>();
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden), go_row(hidden), weight(hidden), h(hidden), gh(hidden);
-      const float* w = fp32_row(weight_p, hidden, weight.data());
+      const float* w = normalizes ? fp32_row(weight_p, hidden, weight.data()) : nullptr;
       float* grad_q = sums.data_ptr<float>() + chunk * 2 * hidden;
       float* grad_w = grad_q + hidden;
       for (int64_t t = begin; t < end; ++t) {
         const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
         const float* go = fp32_row(go_p + t * hidden, hidden, go_row.data());
         const float* o = obar_p + t * hidden;
-        const MergeStats merged{gate_p[t], raw_p[t], inv_rms_p[t]};
-        merge(o, v, merged.gate, hidden, h.data());
-        normalize_backward(h.data(), go, w, norm_inv_rms_p[t], hidden, grad_w, gh.data());
-        grad_lse_p[t] = merge_token_backward(gh.data(), o, v, query_p, merged, hidden, grad_obar_p + t * hidden,
-                                             grad_partial_p + t * hidden, grad_q);
+        const float gate = gate_p[t], inv_rms = inv_rms_p[t];
+        if (normalizes) {
+          merge(o, v, gate, hidden, h.data());
+          normalize_backward(h.data(), go, w, norm_inv_rms_p[t], hidden, grad_w, gh.data());
+        } else {
+          for (int64_t i = 0; i < hidden; ++i) gh[i] = go[i] * scale_f;
+        }
+        // gh . (v - o) as two `dot`s: vectorised, where one loop's running sum would be a serial chain.
+        const float grad_logit = (dot(gh.data(), v, hidden) - dot(gh.data(), o, hidden)) * gate * (1.f - gate);
+        const float query_coef = grad_logit * inv_rms;
+        const float value_coef = grad_logit * raw_p[t] * inv_rms * inv_rms * inv_rms * inv_hidden;
+        float* grad_o = grad_obar_p + t * hidden;
+        scalar_t* grad_v = grad_partial_p + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          grad_o[i] = gh[i] * (1.f - gate);
+          grad_v[i] = static_cast<scalar_t>(gh[i] * gate + query_coef * query_p[i] - value_coef * v[i]);
+          grad_q[i] += query_coef * v[i];
+        }
+        grad_lse_p[t] = -grad_logit;
       }
     });
   });
   const auto totals = sums.sum(0);
-  return {grad_obar, grad_lse, grad_partial, totals[0], totals[1].to(norm_weight.scalar_type())};
-}
-
-// `two_phase.phase2`: phase 2 alone, the input `k * h` of a sublayer whose pre-norm is the family's own (Gemma's
-// `1 + w`, a LayerNorm), in the partial's dtype, and the per-token scalars its backward pass reuses: `(out, stats)`,
-// with `stats` `[3, *tokens]` fp32 holding (gate, raw, inv_rms). `scale` is the step's output scale k.
-std::vector<at::Tensor> phase2(
-    const at::Tensor& obar,
-    const at::Tensor& lse,
-    const at::Tensor& partial,
-    const at::Tensor& query,
-    double eps,
-    double scale) {
-  check_fp32(obar, "obar");
-  check_fp32(lse, "lse");
-  check_fp32(query, "query");
-  const int64_t hidden = partial.size(-1);
-  const int64_t tokens = partial.numel() / hidden;
-  TORCH_CHECK(obar.numel() == tokens * hidden && lse.numel() == tokens, "obar / lse do not match the partial");
-  TORCH_CHECK(query.numel() == hidden, "query must be [hidden]");
-
-  const auto obar_c = obar.contiguous(), lse_c = lse.contiguous(), partial_c = partial.contiguous();
-  const auto query_c = query.contiguous();
-  auto out = at::empty_like(partial_c);
-  const auto token_shape = partial.sizes().slice(0, partial.dim() - 1);
-  std::vector<int64_t> stats_shape{3};
-  stats_shape.insert(stats_shape.end(), token_shape.begin(), token_shape.end());
-  auto stats = at::empty(stats_shape, partial.options().dtype(at::kFloat));
-  const float eps_f = static_cast<float>(eps), scale_f = static_cast<float>(scale);
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2", [&] {
-    const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
-    scalar_t* out_p = out.data_ptr<scalar_t>();
-    const float* obar_p = obar_c.data_ptr<float>();
-    const float* lse_p = lse_c.data_ptr<float>();
-    const float* query_p = query_c.data_ptr<float>();
-    float* gate_p = stats.data_ptr<float>();
-    float* raw_p = gate_p + tokens;
-    float* inv_rms_p = raw_p + tokens;
-    at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(hidden), h(hidden);
-      for (int64_t t = begin; t < end; ++t) {
-        const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
-        const MergeStats merged = merge_token(obar_p + t * hidden, v, query_p, lse_p[t], hidden, eps_f, h.data());
-        scalar_t* y = out_p + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) y[i] = static_cast<scalar_t>(h[i] * scale_f);
-        gate_p[t] = merged.gate;
-        raw_p[t] = merged.raw;
-        inv_rms_p[t] = merged.inv_rms;
-      }
-    });
-  });
-  return {out, stats};
-}
-
-// The backward pass of `phase2`: `(grad_obar, grad_lse, grad_partial, grad_query)`.
-std::vector<at::Tensor> phase2_backward(
-    const at::Tensor& grad_out,
-    const at::Tensor& obar,
-    const at::Tensor& partial,
-    const at::Tensor& query,
-    const at::Tensor& stats,
-    double scale) {
-  const int64_t hidden = partial.size(-1);
-  const int64_t tokens = partial.numel() / hidden;
-  const auto go_c = grad_out.to(partial.scalar_type()).contiguous(), obar_c = obar.contiguous();
-  const auto partial_c = partial.contiguous(), query_c = query.contiguous(), stats_c = stats.contiguous();
-  auto grad_obar = at::empty_like(obar_c);
-  auto grad_lse = at::empty(stats.sizes().slice(1), obar_c.options());
-  auto grad_partial = at::empty_like(partial_c);
-  const int64_t chunks = num_chunks(tokens);
-  auto grad_query_chunks = at::zeros({chunks, hidden}, obar_c.options());
-  const float scale_f = static_cast<float>(scale);
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2_backward", [&] {
-    const scalar_t* go_p = go_c.data_ptr<scalar_t>();
-    const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
-    scalar_t* grad_partial_p = grad_partial.data_ptr<scalar_t>();
-    const float* obar_p = obar_c.data_ptr<float>();
-    const float* query_p = query_c.data_ptr<float>();
-    const float* gate_p = stats_c.data_ptr<float>();
-    const float* raw_p = gate_p + tokens;
-    const float* inv_rms_p = raw_p + tokens;
-    float* grad_obar_p = grad_obar.data_ptr<float>();
-    float* grad_lse_p = grad_lse.data_ptr<float>();
-    for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
-      std::vector<float> scratch(hidden), gh(hidden);
-      float* grad_q = grad_query_chunks.data_ptr<float>() + chunk * hidden;
-      for (int64_t t = begin; t < end; ++t) {
-        const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
-        const scalar_t* go = go_p + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) gh[i] = static_cast<float>(go[i]) * scale_f;
-        const MergeStats merged{gate_p[t], raw_p[t], inv_rms_p[t]};
-        grad_lse_p[t] = merge_token_backward(gh.data(), obar_p + t * hidden, v, query_p, merged, hidden,
-                                             grad_obar_p + t * hidden, grad_partial_p + t * hidden, grad_q);
-      }
-    });
-  });
-  return {grad_obar, grad_lse, grad_partial, grad_query_chunks.sum(0)};
+  const auto grad_weight = normalizes ? totals[1].to(norm_weight->scalar_type()) : at::Tensor();
+  return {grad_obar, grad_lse, grad_partial, totals[0], grad_weight};
 }
 
 }  // namespace
@@ -794,10 +696,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("phase1", &phase1, "Phase 1 of Block AttnRes over separately given blocks (forward)");
   m.def("append_inverse_rms", &append_inverse_rms, "The inverse RMS of a newly completed block, appended");
   m.def("phase1_backward", &phase1_backward, "Phase 1's backward pass");
-  m.def("phase2_rms_norm_backward", &phase2_rms_norm_backward, "Phase 2 + RMSNorm's backward pass");
-  m.def("phase2_rms_norm", &phase2_rms_norm, "Phase 2 fused with the following RMSNorm (forward)");
-  m.def("phase2", &phase2, "Phase 2 alone, for a norm other than the model's (forward)");
-  m.def("phase2_backward", &phase2_backward, "Phase 2 alone (backward)");
+  m.def("phase2", &phase2, "Phase 2, fused with the following RMSNorm if given (forward)");
+  m.def("phase2_backward", &phase2_backward, "Phase 2, fused with the following RMSNorm if given (backward)");
   m.def("phase1_rms_norm", &phase1_rms_norm, "The RMSNorm of phase 1's result, a block's first input (forward)");
   m.def("phase1_rms_norm_backward", &phase1_rms_norm_backward, "The RMSNorm of phase 1's result (backward)");
 }

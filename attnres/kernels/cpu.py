@@ -99,34 +99,24 @@ class _AppendInverseRMS(torch.autograd.Function):
         return grad[:-1], (-coef.unsqueeze(-1) * block.float()).to(block.dtype), None
 
 
-class _Phase2RMSNorm(torch.autograd.Function):
+class _Phase2(torch.autograd.Function):
+    """Phase 2 fused with the RMSNorm of gain `norm_weight`, or, with `norm_weight=None`, phase 2 alone times the
+    step's output scale `scale` (a float: the 0-d buffer it comes from takes no gradient)."""
+
     @staticmethod
-    def forward(ctx, obar, lse, partial, query, eps, norm_weight, norm_eps):
-        out, stats = extension().phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
+    def forward(ctx, obar, lse, partial, query, eps, norm_weight, norm_eps, scale):
+        out, stats = extension().phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, scale)
+        ctx.scale = scale
         ctx.save_for_backward(obar, partial, query, norm_weight, stats)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         obar, partial, query, norm_weight, stats = ctx.saved_tensors
-        grad_obar, grad_lse, grad_partial, grad_query, grad_weight = extension().phase2_rms_norm_backward(
-            grad_out, obar, partial, query, norm_weight, stats
+        grad_obar, grad_lse, grad_partial, grad_query, grad_weight = extension().phase2_backward(
+            grad_out, obar, partial, query, norm_weight, stats, ctx.scale
         )
-        return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None
-
-
-class _Phase2(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, obar, lse, partial, query, eps, scale):
-        out, stats = extension().phase2(obar, lse, partial, query, eps, scale)
-        ctx.scale = scale
-        ctx.save_for_backward(obar, partial, query, stats)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grads = extension().phase2_backward(grad_out, *ctx.saved_tensors, ctx.scale)
-        return *grads, None, None
+        return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None, None
 
 
 class _Phase1RMSNorm(torch.autograd.Function):
@@ -186,28 +176,28 @@ def _direct_append_inverse_rms(blocks_inv_rms: torch.Tensor, block: torch.Tensor
 
 
 def _scale_value(scale: torch.Tensor | None) -> float:
-    """The step's output scale k, a 0-d buffer that no gradient reaches (`two_phase.phase2`), as the kernel takes it."""
+    """The step's output scale k (`two_phase.phase2`'s 0-d buffer, or `None` for 1) as the kernel takes it."""
     return 1.0 if scale is None else scale.item()
 
 
 def _direct_phase2(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
-    return extension().phase2(obar, lse, partial, query, eps, _scale_value(scale))[0]
+    return extension().phase2(obar, lse, partial, query, eps, None, 0.0, _scale_value(scale))[0]
 
 
 def _recorded_phase2(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
-    return _Phase2.apply(obar, lse, partial, query, eps, _scale_value(scale))
+    return _Phase2.apply(obar, lse, partial, query, eps, None, 0.0, _scale_value(scale))
 
 
 def _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
     if norm_weight.dtype != partial.dtype:
         return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
-    return extension().phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)[0]
+    return extension().phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, 1.0)[0]
 
 
 def _recorded_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
     if norm_weight.dtype != partial.dtype:
         return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
-    return _Phase2RMSNorm.apply(obar, lse, partial, query, eps, norm_weight, norm_eps)
+    return _Phase2.apply(obar, lse, partial, query, eps, norm_weight, norm_eps, 1.0)
 
 
 def _direct_phase1_rms_norm(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
