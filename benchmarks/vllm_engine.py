@@ -2,6 +2,9 @@
 
     .engines/vllm/bin/python -m benchmarks.vllm_engine --model DIR --impl transformers --mode compiled
 
+`--impl` is vLLM's `model_impl`: `vllm` (its native model of the architecture), `transformers` (its Transformers
+backend) or `auto` (its default: for AttnRes with attnres installed, attnres's native model).
+
 It builds the offline `LLM` (timing its start-up, which includes torch.compile in compiled mode), prints one result
 line with the start-up time and dynamo's counters, then answers each JSON line on stdin, `{"batch": B,
 "max_tokens": T}`, with one result line: the seconds one `generate` call over B prompts of T greedy tokens each took.
@@ -43,7 +46,7 @@ def report(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--impl", choices=("transformers", "vllm"), required=True)
+    parser.add_argument("--impl", choices=("transformers", "vllm", "auto"), required=True)
     parser.add_argument("--mode", choices=("eager", "compiled"), required=True)
     args = parser.parse_args()
 

@@ -29,7 +29,14 @@ from vllm.model_executor.layers import layernorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import SupportsPP
-from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, WeightsMapper, make_layers, maybe_prefix
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    PPMissingLayer,
+    WeightsMapper,
+    extract_layer_index,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 
 from ..depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
@@ -38,7 +45,8 @@ from ..families import norm_eps
 from .families import NATIVE_FAMILIES, NativeFamily, why_not_native
 
 
-logger = init_logger(__name__)
+# Under vLLM's logger, which vLLM configures (level, format) in each of its processes.
+logger = init_logger("vllm.attnres")
 
 
 def sublayer_input(mixed: torch.Tensor | PendingInput) -> torch.Tensor:
@@ -63,7 +71,7 @@ class AttnResDecoderLayer(nn.Module):
             self.add_module(name, module)
         self.mlp_name, self.mlp_norm_name = family.mlp, family.mlp_norm
         self.attn_post_norm_name, self.mlp_post_norm_name = family.post_norms
-        first = config.layer_offsets[int(prefix.rsplit(".", 1)[1])] + 1  # docs/design.md §1
+        first = config.layer_offsets[extract_layer_index(prefix)] + 1  # docs/design.md §1
         self.attn_residual = keep_in_float32(depth_mixer(config, first))
         self.mlp_residual = keep_in_float32(depth_mixer(config, first + 1))
 
