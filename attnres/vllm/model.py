@@ -40,7 +40,7 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from ..depth_mixing import DepthAttention, DepthQuery, PendingInput, depth_mixer, gather_queries
-from ..depth_state import DepthContext, ResidualStream
+from ..depth_state import DepthContext, DepthState, ResidualStream
 from ..families import norm_eps
 from .families import NATIVE_FAMILIES, NativeFamily, why_not_native
 
@@ -75,7 +75,9 @@ class AttnResDecoderLayer(nn.Module):
         self.attn_residual = keep_in_float32(depth_mixer(config, first))
         self.mlp_residual = keep_in_float32(depth_mixer(config, first + 1))
 
-    def forward(self, positions: torch.Tensor, state: tuple, context: DepthContext) -> tuple:
+    def forward(
+        self, positions: torch.Tensor, state: DepthState | ResidualStream, context: DepthContext
+    ) -> DepthState | ResidualStream:
         hidden_states = self.input_layernorm(sublayer_input(self.attn_residual(state, context)))
         output = self.self_attn(positions=positions, hidden_states=hidden_states)
         if self.attn_post_norm_name is not None:
@@ -112,13 +114,9 @@ class Boundary(NamedTuple):
             return ["hidden_states"]
         return [f"block_{n}" for n in range(self.num_blocks)] + (["partial"] if self.has_partial else [])
 
-    def tensors(self, state: tuple) -> IntermediateTensors:
-        if self.standard:
-            return IntermediateTensors({"hidden_states": state.hidden_states})
-        tensors = {f"block_{n}": block for n, block in enumerate(state.blocks)}
-        if self.has_partial:
-            tensors["partial"] = state.partial
-        return IntermediateTensors(tensors)
+    def tensors(self, state: DepthState | ResidualStream) -> IntermediateTensors:
+        values = (state.hidden_states,) if self.standard else (*state.blocks, state.partial)
+        return IntermediateTensors(dict(zip(self.keys, values)))  # no `partial` key where it is `None`
 
     def empty(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
         return IntermediateTensors(
