@@ -295,10 +295,10 @@ def test_vllm_native_model_keeps_continuous_batching_and_prefix_caching(native_r
     (batches,) = result["batches"]
     prompt_lengths = {len(prompt) for prompt in job["prompts"]}
     mixed = [
-        runs
-        for runs in batches
-        if any(length == 1 and start >= min(prompt_lengths) for start, length in runs)
-        and any(length > 1 for _, length in runs)
+        sequences
+        for sequences in batches
+        if any(length == 1 and start >= min(prompt_lengths) for start, length in sequences)
+        and any(length > 1 for _, length in sequences)
     ]
     assert mixed, f"no forward pass mixed prefill and decode: {batches}"
     assert result["prefix_cache_hits"] >= SHARED_PREFIX_LENGTH * len(job["prompts"])

@@ -4,11 +4,11 @@ tests/test_vllm.py: through vLLM's Transformers backend or, with attnres install
     .engines/vllm/bin/python tests/vllm_runner.py JOBS.json RESULTS.json
 
 JOBS.json is a list of jobs, `{"model": DIR, "prompts": [[token ids], ...], "max_tokens": n, "engine": {keyword
-arguments of LLM}, "env": {variables set while the job runs}, "warm_prompts": [[token ids], ...], "dummy_batch": bool}` (`engine` and
-the rest optional). The engine's defaults here: fp32, `max_model_len=512`, as many sequences as prompts, seed 0, the
-`uni` executor (the engine runs in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so this is the process that ran
-the model) unless the job asks for pipeline or tensor parallelism. `warm_prompts` are generated first, one at a time; `dummy_batch` runs
-vLLM's dummy batch on every worker first.
+arguments of LLM}, "env": {variables set while the job runs}, "warm_prompts": [[token ids], ...], "dummy_batch":
+bool}` (`engine` and the rest optional). The engine's defaults here: fp32, `max_model_len=512`, as many sequences as
+prompts, seed 0, the `uni` executor (the engine runs in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so this is
+the process that ran the model) unless the job asks for pipeline or tensor parallelism. `warm_prompts` are generated
+first, one at a time; `dummy_batch` runs vLLM's dummy batch on every worker first.
 
 RESULTS.json gets, per job, the greedy token ids of each prompt (all prompts in one `generate` call, so vLLM
 schedules them into shared flattened batches over its paged KV cache), per worker the model's class and its decoder

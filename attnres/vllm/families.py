@@ -45,7 +45,8 @@ class NativeFamily:
         return getattr(importlib.import_module(f"vllm.model_executor.models.{self.module}"), name)
 
     def decoder_layer(self, vllm_config, prefix: str) -> nn.Module:
-        """The family's vLLM decoder layer at `prefix` (`model.layers.{i}`, from which vLLM's modules read the index)."""
+        """The family's vLLM decoder layer at `prefix` (`model.layers.{i}`, from which vLLM's modules read its
+        index)."""
         layer_class = self.cls(self.layer)
         if self.takes_vllm_config:
             return layer_class(vllm_config=vllm_config, prefix=prefix)

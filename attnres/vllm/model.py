@@ -34,6 +34,7 @@ from vllm.model_executor.models.utils import (
     PPMissingLayer,
     WeightsMapper,
     extract_layer_index,
+    make_empty_intermediate_tensors_factory,
     make_layers,
     maybe_prefix,
 )
@@ -95,7 +96,8 @@ class Boundary(NamedTuple):
     """The depth state as it crosses the pipeline-stage boundary after `position` sublayers: the completed blocks
     (b_0, the embedding, first; for Full AttnRes every output so far) and, where the boundary falls inside a block,
     the partial sum, each `[num_tokens, hidden_size]` under a name of its own; the residual stream in standard mode.
-    The names are fixed by the position, so the receiving stage preallocates them (`make_empty_intermediate_tensors`)."""
+    The names are fixed by the position, so the receiving stage preallocates them
+    (`make_empty_intermediate_tensors`)."""
 
     num_blocks: int
     has_partial: bool
@@ -118,10 +120,11 @@ class Boundary(NamedTuple):
         values = (state.hidden_states,) if self.standard else (*state.blocks, state.partial)
         return IntermediateTensors(dict(zip(self.keys, values)))  # no `partial` key where it is `None`
 
-    def empty(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
-        return IntermediateTensors(
-            {key: torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device) for key in self.keys}
-        )
+    def blocks_and_partial(self, tensors: IntermediateTensors) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """What `tensors` sends of a depth state, received: its completed blocks and its partial sum (`None` where the
+        boundary closes a block)."""
+        values = [tensors[key] for key in self.keys]
+        return tuple(values[: self.num_blocks]), values[-1] if self.has_partial else None
 
 
 @support_torch_compile
@@ -150,18 +153,15 @@ class AttnResModel(nn.Module):
             lambda prefix: AttnResDecoderLayer(vllm_config, family, prefix),
             prefix=f"{prefix}.layers",
         )
-        offsets = config.layer_offsets
-        self.first_position = offsets[self.start_layer] + 1
         self.output_residual = keep_in_float32(depth_mixer(config, config.num_sublayers + 1))
-        # The queries of the steps on other stages: a stage scores a whole block's queries when the block before it
-        # closes, and a block may span a stage boundary (docs/design.md §6, §11).
-        local = range(offsets[self.start_layer] + 1, offsets[self.end_layer] + 1)
+        # The queries of the steps on other stages, by layer: a stage scores a whole block's queries when the block
+        # before it closes, and a block may span a stage boundary (docs/design.md §6, §11).
         self.two_phase = self.output_residual.two_phase
         self.remote_queries = nn.ModuleDict(
             {
-                str(position): DepthQuery(config.hidden_size).float()
-                for position in range(1, config.num_sublayers + 1)
-                if self.two_phase and position not in local
+                str(index): nn.ModuleDict({kind: DepthQuery(config.hidden_size).float() for kind in ("attn", "mlp")})
+                for index in range(config.num_hidden_layers)
+                if self.two_phase and not self.start_layer <= index < self.end_layer
             }
         )
         self.folded_queries: tuple[torch.Tensor, ...] | None = None
@@ -169,8 +169,11 @@ class AttnResModel(nn.Module):
             self.norm = getattr(layernorm, family.norm)(config.hidden_size, eps=norm_eps(config))
         else:
             self.norm = PPMissingLayer()
-        self.received = Boundary.after(config, offsets[self.start_layer])
-        self.sent = Boundary.after(config, offsets[self.end_layer])
+        self.received = Boundary.after(config, config.layer_offsets[self.start_layer])
+        self.sent = Boundary.after(config, config.layer_offsets[self.end_layer])
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            self.received.keys, config.hidden_size
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)
@@ -184,8 +187,7 @@ class AttnResModel(nn.Module):
             if self.start_layer <= index < self.end_layer:
                 steps += [layer.attn_residual.query, layer.mlp_residual.query]
             else:
-                position = self.config.layer_offsets[index] + 1
-                steps += [self.remote_queries[str(position)], self.remote_queries[str(position + 1)]]
+                steps += self.remote_queries[str(index)].values()
         return [*steps, self.output_residual.query]
 
     def depth_queries(self) -> tuple[torch.Tensor, ...] | None:
@@ -211,8 +213,7 @@ class AttnResModel(nn.Module):
         elif self.received.standard:
             state, context = ResidualStream(intermediate_tensors["hidden_states"]), DepthContext()
         else:
-            blocks = tuple(intermediate_tensors[f"block_{n}"] for n in range(self.received.num_blocks))
-            partial = intermediate_tensors["partial"] if self.received.has_partial else None
+            blocks, partial = self.received.blocks_and_partial(intermediate_tensors)
             state, context = first_mixer.resumed_state(blocks, partial, self.depth_queries())
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             state = layer(positions, state, context)
@@ -220,22 +221,13 @@ class AttnResModel(nn.Module):
             return self.sent.tensors(state)
         return self.norm(sublayer_input(self.output_residual(state, context)))
 
-    def make_empty_intermediate_tensors(
-        self, batch_size: int, dtype: torch.dtype, device: torch.device
-    ) -> IntermediateTensors:
-        return self.received.empty(batch_size, self.config.hidden_size, dtype, device)
-
     def remote_query_name(self, name: str) -> str:
         """The name under which this stage loads a checkpoint tensor: a depth query of another stage's layer goes to
         its copy in `remote_queries`."""
         match = re.fullmatch(r"model\.layers\.(\d+)\.(attn|mlp)_residual\.query\.(\w+)", name)
-        if match is None or not self.two_phase:
+        if match is None or match[1] not in self.remote_queries:
             return name
-        index = int(match[1])
-        if self.start_layer <= index < self.end_layer:
-            return name
-        position = self.config.layer_offsets[index] + (1 if match[2] == "attn" else 2)
-        return f"model.remote_queries.{position}.{match[3]}"
+        return f"model.remote_queries.{match[1]}.{match[2]}.{match[3]}"
 
 
 class AttnResForCausalLM(nn.Module, SupportsPP):
@@ -266,7 +258,10 @@ class AttnResForCausalLM(nn.Module, SupportsPP):
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix=maybe_prefix(prefix, "lm_head")
+                config.vocab_size,
+                config.hidden_size,
+                quant_config=vllm_config.quant_config,
+                prefix=maybe_prefix(prefix, "lm_head"),
             )
             if config.tie_word_embeddings:
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
