@@ -209,13 +209,14 @@ def _choose(
                 "load the model with the attnres package (without trust_remote_code) for its kernels"
             )
         return torch_kernels
-    if device_type == "cpu" and setting in ("auto", "cpu") and not compiling:
-        try:
+    # A compiled graph that records gradients runs `two_phase_torch` inlined: the kernels' custom operators have no
+    # autograd formula.
+    if device_type == "cpu" and setting in ("auto", "cpu") and not (compiling and differentiable):
+        if _fused_cpu_kernels_built():
             from attnres.kernels import cpu
-        except ImportError:
-            cpu = None
-        if cpu is not None and cpu.extension() is not None:
-            return DepthKernels(**cpu.implementations(differentiable), differentiable=differentiable)
+
+            kernels = cpu.operators() if compiling else cpu.implementations(differentiable)
+            return DepthKernels(**kernels, differentiable=differentiable)
         if setting == "cpu":
             raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
         return torch_kernels
@@ -234,6 +235,17 @@ def _choose(
 
     kernels = composed(rows_of(stacked_phase1), torch_phase1_rms_norm, phase2_rms_norm, torch_append_inverse_rms)
     return kernels._replace(differentiable=differentiable)
+
+
+@torch.compiler.assume_constant_result
+def _fused_cpu_kernels_built() -> bool:
+    """Whether the fused CPU kernels (`attnres.kernels.cpu`) are there, building them on the first call (about a
+    minute); under torch.compile asked outside the graph, whose constant the answer is."""
+    try:
+        from attnres.kernels import cpu
+    except ImportError:
+        return False
+    return cpu.extension() is not None
 
 
 @functools.cache

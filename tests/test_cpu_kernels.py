@@ -306,3 +306,81 @@ def test_append_inverse_rms_gradient_matches_reference():
     assert_matches(appended[0], expected[0])
     for kernel_grad, ref_grad in zip(kernel_grads, ref_grads, strict=True):
         assert_matches(kernel_grad, ref_grad)
+
+
+def operator_cases(dtype: torch.dtype) -> list[tuple[str, tuple]]:
+    """Each operation of `cpu.operators()` with inputs in `dtype`: phase 2 with and without an output scale, and the
+    fused norms with a gain of another dtype (the PyTorch path), where `dtype` is not fp32."""
+    stacked, blocks_inv_rms, queries = phase1_inputs(3, 2, (2, 5), 40, dtype)
+    blocks = list(stacked.unbind(0))
+    obar, lse, partial, query, norm_weight = phase2_inputs((2, 5), 40, dtype)
+    cases = [
+        ("phase1", (blocks, blocks_inv_rms, queries)),
+        ("close_block", (blocks, blocks_inv_rms[:-1], queries, EPS)),
+        ("phase2", (obar, lse, partial, query, EPS, None)),
+        ("phase2", (obar, lse, partial, query, EPS, torch.tensor(3.0))),
+        ("phase2_rms_norm", (obar, lse, partial, query, EPS, norm_weight, NORM_EPS)),
+        ("phase1_rms_norm", (obar, dtype, norm_weight, NORM_EPS)),
+        ("append_inverse_rms", (blocks_inv_rms, blocks[0], EPS)),
+    ]
+    if dtype != torch.float32:
+        cases.append(("phase2_rms_norm", (obar, lse, partial, query, EPS, norm_weight.float(), NORM_EPS)))
+        cases.append(("phase1_rms_norm", (obar, dtype, norm_weight.float(), NORM_EPS)))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_custom_operators_pass_opcheck_and_compute_what_the_kernels_compute(dtype):
+    """The kernels as custom operators (what compiled graphs without autograd call): `torch.library.opcheck` checks
+    each schema and each fake implementation (the shapes, dtypes and strides compiled graphs are built with) against
+    the operator, eager and traced; each operation computes the directly called kernel's outputs, bit for bit."""
+    direct, operators = cpu.implementations(differentiable=False), cpu.operators()
+    for name, args in operator_cases(dtype):
+        torch.library.opcheck(getattr(torch.ops.attnres, name), args)
+        expected, computed = direct[name](*args), operators[name](*args)
+        flat = [torch.utils._pytree.tree_leaves(outputs) for outputs in (expected, computed)]
+        assert len(flat[0]) == len(flat[1]) and all(torch.equal(a, b) for a, b in zip(*flat)), name
+
+
+# What each model's steps call besides phase 1 (`close_block`, and for the output step `append_inverse_rms` and
+# `phase1`): the first step of a block its pre-norm fused with phase 1's row, the others phase 2 fused with it (Full
+# has none), or, where the pre-norm is the family's own (Gemma's), phase 2 alone.
+COMPILED_OPERATORS = [
+    ("block", "llama", False, {"phase1_rms_norm", "phase2_rms_norm"}),
+    ("full", "llama", False, {"phase1_rms_norm"}),
+    ("block", "gemma3_text", True, {"phase2"}),
+]
+
+
+@pytest.mark.parametrize("residual_mode, family, retrofit, expected", COMPILED_OPERATORS)
+def test_compiled_inference_calls_the_kernels_as_operators(residual_mode, family, retrofit, expected, monkeypatch):
+    """Compiled without autograd (vLLM's compiled model, compiled decoding), the graph calls the kernels as custom
+    operators and computes the eager model's logits bit for bit (the graph run as traced); a graph that records
+    gradients runs `two_phase_torch` inlined, as the operators have no autograd formula. Gemma 3 under an exact
+    retrofit: phase 2 alone, with output scales."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "cpu")
+    model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode, family=family, exact_retrofit=retrofit))
+    randomize_depth_parameters(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5))
+    graphs = []
+
+    def keep_graph(graph_module: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def operators_called() -> set[str]:
+        (graph,) = graphs
+        targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+        return {target.name() for target in targets if isinstance(target, torch._ops.OpOverload)} & names
+
+    names = {f"attnres::{name}" for name in cpu.operators()}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=keep_graph)
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, model(ids).logits)
+    expected = {"close_block", "append_inverse_rms", "phase1", *expected}
+    assert operators_called() == {f"attnres::{name}" for name in expected}
+    graphs.clear()
+    torch._dynamo.reset()
+    compiled(ids).logits.sum().backward()
+    assert operators_called() == set()

@@ -267,3 +267,129 @@ def implementations(differentiable: bool) -> dict[str, Callable]:
     """The kernels by their `kernel_dispatch.DepthKernels` names: with autograd where the forward pass may be recorded
     (`differentiable`), or called directly."""
     return _WITH_AUTOGRAD if differentiable else _WITHOUT_AUTOGRAD
+
+
+# The kernels as torch.library custom operators (`torch.ops.attnres.*`), called directly, for graphs that
+# torch.compile captures without autograd (inference: vLLM's compiled models, compiled decoding). The compiler
+# keeps each call whole, so inductor generates no code for depth mixing, and compiling a model takes about as long
+# as compiling its family's (docs/design.md §8). They have no autograd formula: a graph that records gradients runs
+# `two_phase_torch` inlined instead, which inductor fuses (`kernel_dispatch.depth_kernels`). Under tracing, their
+# outputs are `two_phase_torch`'s computed on fake tensors, made contiguous as the kernels write them; an operator's
+# outputs may alias neither its inputs nor each other (phase 1's rows are views of one tensor there).
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("attnres::phase1", mutates_args=())
+def _phase1_operator(
+    blocks: list[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
+) -> list[torch.Tensor]:
+    rows, lse = _direct_phase1(blocks, blocks_inv_rms, queries)
+    return [lse, *rows]
+
+
+@_phase1_operator.register_fake
+def _(blocks, blocks_inv_rms, queries):
+    rows, lse = _torch_phase1(blocks, blocks_inv_rms, queries)
+    return [_fresh(lse), *map(_fresh, rows)]
+
+
+@torch.library.custom_op("attnres::close_block", mutates_args=())
+def _close_block_operator(
+    blocks: list[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+) -> list[torch.Tensor]:
+    blocks_inv_rms, rows, lse = _direct_close_block(blocks, blocks_inv_rms, queries, eps)
+    return [blocks_inv_rms, lse, *rows]
+
+
+@_close_block_operator.register_fake
+def _(blocks, blocks_inv_rms, queries, eps):
+    blocks_inv_rms, rows, lse = _torch_close_block(blocks, blocks_inv_rms, queries, eps)
+    return [_fresh(blocks_inv_rms), _fresh(lse), *map(_fresh, rows)]
+
+
+@torch.library.custom_op("attnres::phase2", mutates_args=())
+def _phase2_operator(
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return _direct_phase2(obar, lse, partial, query, eps, scale).contiguous()
+
+
+@_phase2_operator.register_fake
+def _(obar, lse, partial, query, eps, scale):
+    return _fresh(two_phase.phase2(obar, lse, partial, query, eps, scale))
+
+
+@torch.library.custom_op("attnres::phase2_rms_norm", mutates_args=())
+def _phase2_rms_norm_operator(
+    obar: torch.Tensor,
+    lse: torch.Tensor,
+    partial: torch.Tensor,
+    query: torch.Tensor,
+    eps: float,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+) -> torch.Tensor:
+    return _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps).contiguous()
+
+
+@_phase2_rms_norm_operator.register_fake
+def _(obar, lse, partial, query, eps, norm_weight, norm_eps):
+    return _fresh(two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps))
+
+
+@torch.library.custom_op("attnres::phase1_rms_norm", mutates_args=())
+def _phase1_rms_norm_operator(
+    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
+) -> torch.Tensor:
+    return _direct_phase1_rms_norm(obar, dtype, norm_weight, norm_eps).contiguous()
+
+
+@_phase1_rms_norm_operator.register_fake
+def _(obar, dtype, norm_weight, norm_eps):
+    return _fresh(two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps))
+
+
+@torch.library.custom_op("attnres::append_inverse_rms", mutates_args=())
+def _append_inverse_rms_operator(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
+    return _direct_append_inverse_rms(blocks_inv_rms, block, eps)
+
+
+@_append_inverse_rms_operator.register_fake
+def _(blocks_inv_rms, block, eps):
+    return _fresh(two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps))
+
+
+def _phase1_by_operator(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+    lse, *rows = _phase1_operator(list(blocks), blocks_inv_rms, queries)
+    return tuple(rows), lse
+
+
+def _close_block_by_operator(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+):
+    blocks_inv_rms, lse, *rows = _close_block_operator(list(blocks), blocks_inv_rms, queries, eps)
+    return blocks_inv_rms, tuple(rows), lse
+
+
+def _phase2_by_operator(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
+    return _phase2_operator(obar, lse, partial, query, eps, scale)
+
+
+def operators() -> dict[str, Callable]:
+    """The kernels by their `kernel_dispatch.DepthKernels` names as custom operators, for graphs without autograd."""
+    return {
+        "phase1": _phase1_by_operator,
+        "phase1_rms_norm": _phase1_rms_norm_operator,
+        "phase2_rms_norm": _phase2_rms_norm_operator,
+        "append_inverse_rms": _append_inverse_rms_operator,
+        "close_block": _close_block_by_operator,
+        "phase2": _phase2_by_operator,
+    }
