@@ -127,9 +127,10 @@ def _padded_phase1_rows(valid: torch.Tensor, queries: torch.Tensor, eps: torch.T
 
 
 def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: int, eps: float) -> DepthKernels:
-    """What torch.compile traces on the CPU: `two_phase_torch` inlined, so that inductor fuses each step's phase 2
-    with the sum before it and the norm after it, and phase 1 as one nested compile region, traced and compiled once
-    and called by every block. Inductor compiles each distinct kernel once: every step's kernels are the same code as
+    """What torch.compile traces on the CPU where the graph records gradients (the fused kernels' custom operators
+    have no autograd formula) or the setting is `reference`: `two_phase_torch` inlined, so that inductor fuses each
+    step's phase 2 with the sum before it and the norm after it, and phase 1 as one nested compile region, traced and
+    compiled once and called by every block. Inductor compiles each distinct kernel once: every step's kernels are the same code as
     long as they read no constant of their own, so what a step reads is a tensor of its own (its query, its row of
     phase 1, its output scale, `DepthAttention.output_scale_tensor`), never a row of a larger one at an offset that
     inductor would write into its code.
@@ -177,9 +178,11 @@ def depth_kernels(
       interpreter, `TRITON_INTERPRET=1`, for tests), or in a checkpoint's remote code.
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
-    wrappers. Inside `torch.compile` the CPU gets `two_phase_torch`, whose plain operations inductor fuses, with
-    phase 1 in a nested compile region (`compiled_torch_kernels`, for a state of `num_blocks` blocks whose inverse
-    RMS takes `eps`, and blocks of up to `num_queries` steps).
+    wrappers. Inside `torch.compile` on the CPU, a graph without autograd calls them as custom operators
+    (`attnres.kernels.cpu.operators`), which the compiler keeps whole; a graph that records gradients, or the
+    `reference` setting, gets `two_phase_torch`, whose plain operations inductor fuses, with phase 1 in a nested
+    compile region (`compiled_torch_kernels`, for a state of `num_blocks` blocks whose inverse RMS takes `eps`, and
+    blocks of up to `num_queries` steps).
 
     Under autocast on `device`, every operation runs with it off (`without_autocast`).
     """

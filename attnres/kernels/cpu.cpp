@@ -690,7 +690,72 @@ std::vector<at::Tensor> phase2_backward(
   return {grad_obar, grad_lse, grad_partial, totals[0], grad_weight};
 }
 
+// The forward kernels as operators of PyTorch's dispatcher (`torch.ops.attnres_cpu.*`), what inference calls
+// (`attnres.kernels.cpu`): a compiled graph keeps each call whole and calls it from inductor's wrapper without Python
+// in between. Their outputs are fresh tensors, as an operator's must be: phase 1 without `append_eps` returns
+// `blocks_inv_rms` as given, which is left out, as are `weights` and `raw`, undefined without `for_backward`.
+std::vector<at::Tensor> phase1_operator(
+    at::TensorList blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries) {
+  auto result = phase1(blocks.vec(), blocks_inv_rms, queries, std::nullopt, false);
+  result.erase(result.begin() + 2, result.begin() + 4);
+  result.erase(result.begin());
+  return result;  // lse, then the rows
+}
+
+std::vector<at::Tensor> close_block_operator(
+    at::TensorList blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries, double eps) {
+  auto result = phase1(blocks.vec(), blocks_inv_rms, queries, eps, false);
+  result.erase(result.begin() + 2, result.begin() + 4);
+  return result;  // blocks_inv_rms with the newest block's appended, lse, then the rows
+}
+
+at::Tensor phase2_operator(
+    const at::Tensor& obar,
+    const at::Tensor& lse,
+    const at::Tensor& partial,
+    const at::Tensor& query,
+    double eps,
+    const std::optional<at::Tensor>& scale) {
+  const double k = scale.has_value() ? scale->item<double>() : 1.0;
+  return phase2(obar, lse, partial, query, eps, std::nullopt, 0.0, k)[0];
+}
+
+at::Tensor phase2_rms_norm_operator(
+    const at::Tensor& obar,
+    const at::Tensor& lse,
+    const at::Tensor& partial,
+    const at::Tensor& query,
+    double eps,
+    const at::Tensor& norm_weight,
+    double norm_eps) {
+  return phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, 1.0)[0];
+}
+
+at::Tensor phase1_rms_norm_operator(const at::Tensor& obar, const at::Tensor& norm_weight, double norm_eps) {
+  return phase1_rms_norm(obar, norm_weight, norm_eps)[0];
+}
+
 }  // namespace
+
+TORCH_LIBRARY(attnres_cpu, m) {
+  m.def("phase1(Tensor[] blocks, Tensor blocks_inv_rms, Tensor queries) -> Tensor[]");
+  m.def("close_block(Tensor[] blocks, Tensor blocks_inv_rms, Tensor queries, float eps) -> Tensor[]");
+  m.def("phase2(Tensor obar, Tensor lse, Tensor partial, Tensor query, float eps, Tensor? scale) -> Tensor");
+  m.def(
+      "phase2_rms_norm(Tensor obar, Tensor lse, Tensor partial, Tensor query, float eps, Tensor norm_weight, "
+      "float norm_eps) -> Tensor");
+  m.def("phase1_rms_norm(Tensor obar, Tensor norm_weight, float norm_eps) -> Tensor");
+  m.def("append_inverse_rms(Tensor blocks_inv_rms, Tensor block, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnres_cpu, CPU, m) {
+  m.impl("phase1", &phase1_operator);
+  m.impl("close_block", &close_block_operator);
+  m.impl("phase2", &phase2_operator);
+  m.impl("phase2_rms_norm", &phase2_rms_norm_operator);
+  m.impl("phase1_rms_norm", &phase1_rms_norm_operator);
+  m.impl("append_inverse_rms", &append_inverse_rms);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("phase1", &phase1, "Phase 1 of Block AttnRes over separately given blocks (forward)");

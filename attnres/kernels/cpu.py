@@ -13,7 +13,8 @@ cannot be built the model logs why once and keeps `two_phase_torch`, which compu
 each one runs `two_phase_torch` inside `torch.compile` (whose plain operations inductor fuses), its autograd Function
 where autograd records the call, and the kernel directly otherwise; without autograd (a forward pass that starts with
 gradients off, `kernel_dispatch.depth_kernels`) it is the kernel, called directly, skipping the checks that decoding
-a token would otherwise run in each of the 2L + 1 steps. Where a gain's dtype differs from the model's (the kernels
+a token would otherwise run in each of the 2L + 1 steps. `operators()` gives them as torch.library custom operators,
+for graphs that torch.compile captures without autograd. Where a gain's dtype differs from the model's (the kernels
 keep one dtype throughout), `two_phase_torch` computes the operation, with its own autograd.
 """
 
@@ -45,7 +46,7 @@ def extension() -> ModuleType | None:
     """The compiled `cpu.cpp` module, or `None` (with one warning) where it cannot be built."""
     capability = torch.backends.cpu.get_cpu_capability()
     try:
-        return compiled(
+        module = compiled(
             Path(__file__).with_name("cpu.cpp"),
             # OpenMP: ATen's thread pool (at::parallel_for) in the kernels.
             cflags=["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])],
@@ -54,6 +55,8 @@ def extension() -> ModuleType | None:
     except (OSError, RuntimeError, ImportError) as error:
         logger.warning("attnres: fused CPU depth-attention kernels unavailable, using PyTorch ops (%s)", error)
         return None
+    _register_fake_implementations()
+    return module
 
 
 class _Phase1(torch.autograd.Function):
@@ -269,127 +272,98 @@ def implementations(differentiable: bool) -> dict[str, Callable]:
     return _WITH_AUTOGRAD if differentiable else _WITHOUT_AUTOGRAD
 
 
-# The kernels as torch.library custom operators (`torch.ops.attnres.*`), called directly, for graphs that
-# torch.compile captures without autograd (inference: vLLM's compiled models, compiled decoding). The compiler
-# keeps each call whole, so inductor generates no code for depth mixing, and compiling a model takes about as long
-# as compiling its family's (docs/design.md §8). They have no autograd formula: a graph that records gradients runs
-# `two_phase_torch` inlined instead, which inductor fuses (`kernel_dispatch.depth_kernels`). Under tracing, their
-# outputs are `two_phase_torch`'s computed on fake tensors, made contiguous as the kernels write them; an operator's
-# outputs may alias neither its inputs nor each other (phase 1's rows are views of one tensor there).
-
-
-def _fresh(x: torch.Tensor) -> torch.Tensor:
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("attnres::phase1", mutates_args=())
-def _phase1_operator(
-    blocks: list[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor
-) -> list[torch.Tensor]:
-    rows, lse = _direct_phase1(blocks, blocks_inv_rms, queries)
-    return [lse, *rows]
-
-
-@_phase1_operator.register_fake
-def _(blocks, blocks_inv_rms, queries):
-    rows, lse = _torch_phase1(blocks, blocks_inv_rms, queries)
-    return [_fresh(lse), *map(_fresh, rows)]
-
-
-@torch.library.custom_op("attnres::close_block", mutates_args=())
-def _close_block_operator(
-    blocks: list[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
-) -> list[torch.Tensor]:
-    blocks_inv_rms, rows, lse = _direct_close_block(blocks, blocks_inv_rms, queries, eps)
-    return [blocks_inv_rms, lse, *rows]
-
-
-@_close_block_operator.register_fake
-def _(blocks, blocks_inv_rms, queries, eps):
-    blocks_inv_rms, rows, lse = _torch_close_block(blocks, blocks_inv_rms, queries, eps)
-    return [_fresh(blocks_inv_rms), _fresh(lse), *map(_fresh, rows)]
-
-
-@torch.library.custom_op("attnres::phase2", mutates_args=())
-def _phase2_operator(
-    obar: torch.Tensor,
-    lse: torch.Tensor,
-    partial: torch.Tensor,
-    query: torch.Tensor,
-    eps: float,
-    scale: torch.Tensor | None,
-) -> torch.Tensor:
-    return _direct_phase2(obar, lse, partial, query, eps, scale).contiguous()
-
-
-@_phase2_operator.register_fake
-def _(obar, lse, partial, query, eps, scale):
-    return _fresh(two_phase.phase2(obar, lse, partial, query, eps, scale))
-
-
-@torch.library.custom_op("attnres::phase2_rms_norm", mutates_args=())
-def _phase2_rms_norm_operator(
-    obar: torch.Tensor,
-    lse: torch.Tensor,
-    partial: torch.Tensor,
-    query: torch.Tensor,
-    eps: float,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-) -> torch.Tensor:
-    return _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps).contiguous()
-
-
-@_phase2_rms_norm_operator.register_fake
-def _(obar, lse, partial, query, eps, norm_weight, norm_eps):
-    return _fresh(two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps))
-
-
-@torch.library.custom_op("attnres::phase1_rms_norm", mutates_args=())
-def _phase1_rms_norm_operator(
-    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
-) -> torch.Tensor:
-    return _direct_phase1_rms_norm(obar, dtype, norm_weight, norm_eps).contiguous()
-
-
-@_phase1_rms_norm_operator.register_fake
-def _(obar, dtype, norm_weight, norm_eps):
-    return _fresh(two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps))
-
-
-@torch.library.custom_op("attnres::append_inverse_rms", mutates_args=())
-def _append_inverse_rms_operator(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
-    return _direct_append_inverse_rms(blocks_inv_rms, block, eps)
-
-
-@_append_inverse_rms_operator.register_fake
-def _(blocks_inv_rms, block, eps):
-    return _fresh(two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps))
+# The forward kernels as operators of PyTorch's dispatcher (`torch.ops.attnres_cpu.*`, registered by `cpu.cpp`), for
+# graphs that torch.compile captures without autograd (`operators()`): the compiler keeps each call whole, so
+# inductor generates no code for depth mixing and a model compiles in about its family's time (docs/design.md §8).
+# They have no autograd formula: a graph that records gradients runs `two_phase_torch` inlined instead
+# (`kernel_dispatch.depth_kernels`). Under tracing, an operator's outputs are those of `two_phase_torch` computed on
+# fake tensors, made contiguous as the kernels write them (`_register_fake_implementations`).
 
 
 def _phase1_by_operator(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-    lse, *rows = _phase1_operator(list(blocks), blocks_inv_rms, queries)
+    lse, *rows = torch.ops.attnres_cpu.phase1.default(list(blocks), blocks_inv_rms, queries)
     return tuple(rows), lse
 
 
 def _close_block_by_operator(
     blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
 ):
-    blocks_inv_rms, lse, *rows = _close_block_operator(list(blocks), blocks_inv_rms, queries, eps)
+    blocks_inv_rms, lse, *rows = torch.ops.attnres_cpu.close_block.default(list(blocks), blocks_inv_rms, queries, eps)
     return blocks_inv_rms, tuple(rows), lse
 
 
 def _phase2_by_operator(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
-    return _phase2_operator(obar, lse, partial, query, eps, scale)
+    return torch.ops.attnres_cpu.phase2.default(obar, lse, partial, query, eps, scale)
+
+
+def _phase2_rms_norm_by_operator(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
+    if norm_weight.dtype != partial.dtype:
+        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
+    return torch.ops.attnres_cpu.phase2_rms_norm.default(obar, lse, partial, query, eps, norm_weight, norm_eps)
+
+
+def _phase1_rms_norm_by_operator(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
+    if norm_weight.dtype != dtype:
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
+    return torch.ops.attnres_cpu.phase1_rms_norm.default(obar, norm_weight, norm_eps)
+
+
+def _append_inverse_rms_by_operator(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.attnres_cpu.append_inverse_rms.default(blocks_inv_rms, block, eps)
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _fake_phase1(blocks, blocks_inv_rms, queries):
+    rows, lse = _torch_phase1(blocks, blocks_inv_rms, queries)
+    return [_fresh(lse), *map(_fresh, rows)]
+
+
+def _fake_close_block(blocks, blocks_inv_rms, queries, eps):
+    blocks_inv_rms, rows, lse = _torch_close_block(blocks, blocks_inv_rms, queries, eps)
+    return [_fresh(blocks_inv_rms), _fresh(lse), *map(_fresh, rows)]
+
+
+def _fake_phase2(obar, lse, partial, query, eps, scale):
+    return _fresh(two_phase.phase2(obar, lse, partial, query, eps, scale))
+
+
+def _fake_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps):
+    return _fresh(two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps))
+
+
+def _fake_phase1_rms_norm(obar, norm_weight, norm_eps):
+    return _fresh(two_phase_torch.phase1_rms_norm(obar, norm_weight.dtype, norm_weight, norm_eps))
+
+
+def _fake_append_inverse_rms(blocks_inv_rms, block, eps):
+    return _fresh(two_phase_torch.append_inverse_rms(blocks_inv_rms, block, eps))
+
+
+def _register_fake_implementations() -> None:
+    """The operators' fake implementations, once their library (the built extension) is loaded."""
+    fakes = {
+        "phase1": _fake_phase1,
+        "close_block": _fake_close_block,
+        "phase2": _fake_phase2,
+        "phase2_rms_norm": _fake_phase2_rms_norm,
+        "phase1_rms_norm": _fake_phase1_rms_norm,
+        "append_inverse_rms": _fake_append_inverse_rms,
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"attnres_cpu::{name}", fake)
 
 
 def operators() -> dict[str, Callable]:
-    """The kernels by their `kernel_dispatch.DepthKernels` names as custom operators, for graphs without autograd."""
+    """The kernels by their `kernel_dispatch.DepthKernels` names as the dispatcher's operators, for compiled graphs
+    without autograd."""
     return {
         "phase1": _phase1_by_operator,
-        "phase1_rms_norm": _phase1_rms_norm_operator,
-        "phase2_rms_norm": _phase2_rms_norm_operator,
-        "append_inverse_rms": _append_inverse_rms_operator,
+        "phase1_rms_norm": _phase1_rms_norm_by_operator,
+        "phase2_rms_norm": _phase2_rms_norm_by_operator,
+        "append_inverse_rms": _append_inverse_rms_by_operator,
         "close_block": _close_block_by_operator,
         "phase2": _phase2_by_operator,
     }
