@@ -127,13 +127,14 @@ def _padded_phase1_rows(valid: torch.Tensor, queries: torch.Tensor, eps: torch.T
 
 
 def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: int, eps: float) -> DepthKernels:
-    """What torch.compile traces on the CPU where the graph records gradients (the fused kernels' custom operators
-    have no autograd formula) or the setting is `reference`: `two_phase_torch` inlined, so that inductor fuses each
-    step's phase 2 with the sum before it and the norm after it, and phase 1 as one nested compile region, traced and
-    compiled once and called by every block. Inductor compiles each distinct kernel once: every step's kernels are the same code as
-    long as they read no constant of their own, so what a step reads is a tensor of its own (its query, its row of
-    phase 1, its output scale, `DepthAttention.output_scale_tensor`), never a row of a larger one at an offset that
-    inductor would write into its code.
+    """What torch.compile traces on the CPU for a graph without autograd that does not call the fused kernels'
+    operators (the `reference` setting, a checkpoint's remote code, kernels that did not build): `two_phase_torch`
+    inlined, so that inductor fuses each step's phase 2 with the sum before it and the norm after it, and phase 1 as
+    one nested compile region, traced and compiled once and called by every block. Inductor compiles each distinct
+    kernel once: every step's kernels are the same code as long as they read no constant of their own, so what a
+    step reads is a tensor of its own (its query, its row of phase 1, its output scale,
+    `DepthAttention.output_scale_tensor`), never a row of a larger one at an offset that inductor would write into
+    its code.
 
     Phase 1 reads the blocks padded to the number the state ends with, `num_blocks`
     (`two_phase_torch.padded_phase1`), and scores `num_queries` queries (a block's; fewer are padded with zeros), so
@@ -178,11 +179,12 @@ def depth_kernels(
       interpreter, `TRITON_INTERPRET=1`, for tests), or in a checkpoint's remote code.
 
     With `differentiable=False` (autograd records nothing), the C++ kernels are called without their autograd
-    wrappers. Inside `torch.compile` on the CPU, a graph without autograd calls them as custom operators
-    (`attnres.kernels.cpu.operators`), which the compiler keeps whole; a graph that records gradients, or the
-    `reference` setting, gets `two_phase_torch`, whose plain operations inductor fuses, with phase 1 in a nested
-    compile region (`compiled_torch_kernels`, for a state of `num_blocks` blocks whose inverse RMS takes `eps`, and
-    blocks of up to `num_queries` steps).
+    wrappers. Inside `torch.compile` on the CPU, a graph without autograd calls them as operators of PyTorch's
+    dispatcher (`attnres.kernels.cpu.operators`), which the compiler keeps whole; a graph that records gradients gets
+    `two_phase_torch` (the operators have no autograd formula), and one without autograd that does not call them
+    (`reference`) `two_phase_torch` with phase 1 in a nested compile region (`compiled_torch_kernels`, for a state
+    of `num_blocks` blocks whose inverse RMS takes `eps`, and blocks of up to `num_queries` steps), whose plain
+    operations inductor fuses.
 
     Under autocast on `device`, every operation runs with it off (`without_autocast`).
     """
@@ -192,7 +194,10 @@ def depth_kernels(
     setting = "reference" if depth_kernel == "reference" else override
     autocast = autocast_enabled(device.type)
     if torch.compiler.is_compiling():  # dynamo does not trace into the cache; the choice is traced instead
-        compiled = compiled_torch_kernels(device, num_blocks, num_queries, eps)
+        # Phase 1's region serves every block while its inputs are alike; where autograd records, the blocks require
+        # gradients and the padding does not, a pattern of its own at every block, and torch keeps at most 8 traces
+        # of a region: such a graph traces phase 1 block by block.
+        compiled = TORCH_KERNELS if differentiable else compiled_torch_kernels(device, num_blocks, num_queries, eps)
         kernels = _choose(device.type, setting, differentiable, compiled)
         return without_autocast(kernels, device.type) if autocast else kernels
     return _remembered(device.type, setting, differentiable, autocast)
@@ -212,8 +217,8 @@ def _choose(
                 "load the model with the attnres package (without trust_remote_code) for its kernels"
             )
         return torch_kernels
-    # A compiled graph that records gradients runs `two_phase_torch` inlined: the kernels' custom operators have no
-    # autograd formula.
+    # A compiled graph that records gradients runs `two_phase_torch` inlined: the kernels' operators have no autograd
+    # formula.
     if device_type == "cpu" and setting in ("auto", "cpu") and not (compiling and differentiable):
         if _fused_cpu_kernels_built():
             from attnres.kernels import cpu

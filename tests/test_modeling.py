@@ -488,6 +488,29 @@ def test_compiled_static_cache_generation_equals_eager():
     assert torch.equal(model.generate(prompt, disable_compile=True, **kwargs), eager)
 
 
+def test_compiled_training_with_more_blocks_than_torch_keeps_traces_of_a_region(monkeypatch):
+    """Compiled with autograd, phase 1 is traced block by block (`kernel_dispatch.depth_kernels`): here 11 calls
+    (Full AttnRes over 10 sublayers, and the output), more than the 8 traces torch keeps of a nested compile region,
+    whose inputs would differ at every block (the blocks require gradients, the padding does not). The loss and every
+    gradient are eager's on the same implementation within fp32 rounding."""
+    monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "reference")
+    model = trained_model(residual_mode="full", num_hidden_layers=5)
+    ids = input_batch(model.config)
+
+    def loss_and_grads(forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        loss = forward(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    torch._dynamo.reset()
+    compiled_loss, compiled_grads = loss_and_grads(torch.compile(model, fullgraph=True))
+    loss, grads = loss_and_grads(model)
+    assert max_diff(compiled_loss, loss) <= 1e-5
+    for name, grad in grads.items():
+        assert max_diff(compiled_grads[name], grad) <= 1e-5 * max(1.0, grad.abs().max().item()), name
+
+
 def test_static_cache_forward_matches_full_forward():
     model = trained_model()
     ids = input_batch(model.config, batch=1, length=9)

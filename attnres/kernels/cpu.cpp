@@ -690,10 +690,11 @@ std::vector<at::Tensor> phase2_backward(
   return {grad_obar, grad_lse, grad_partial, totals[0], grad_weight};
 }
 
-// The forward kernels as operators of PyTorch's dispatcher (`torch.ops.attnres_cpu.*`), what inference calls
-// (`attnres.kernels.cpu`): a compiled graph keeps each call whole and calls it from inductor's wrapper without Python
-// in between. Their outputs are fresh tensors, as an operator's must be: phase 1 without `append_eps` returns
-// `blocks_inv_rms` as given, which is left out, as are `weights` and `raw`, undefined without `for_backward`.
+// The forward kernels as operators of PyTorch's dispatcher (`torch.ops.attnres_cpu.*`), for graphs that torch.compile
+// captures without autograd (`attnres.kernels.cpu.operators`): the graph keeps each call whole and calls it from
+// inductor's wrapper without Python in between. Their outputs are fresh tensors, as an operator's must be: phase 1
+// without `append_eps` returns `blocks_inv_rms` as given, which is left out, as are `weights` and `raw`, undefined
+// without `for_backward`.
 std::vector<at::Tensor> phase1_operator(
     at::TensorList blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries) {
   auto result = phase1(blocks.vec(), blocks_inv_rms, queries, std::nullopt, false);

@@ -13,9 +13,10 @@ cannot be built the model logs why once and keeps `two_phase_torch`, which compu
 each one runs `two_phase_torch` inside `torch.compile` (whose plain operations inductor fuses), its autograd Function
 where autograd records the call, and the kernel directly otherwise; without autograd (a forward pass that starts with
 gradients off, `kernel_dispatch.depth_kernels`) it is the kernel, called directly, skipping the checks that decoding
-a token would otherwise run in each of the 2L + 1 steps. `operators()` gives them as torch.library custom operators,
-for graphs that torch.compile captures without autograd. Where a gain's dtype differs from the model's (the kernels
-keep one dtype throughout), `two_phase_torch` computes the operation, with its own autograd.
+a token would otherwise run in each of the 2L + 1 steps. `operators()` gives them as operators of PyTorch's
+dispatcher (`torch.ops.attnres_cpu.*`), for graphs that torch.compile captures without autograd. Where a gain's
+dtype differs from the model's (the kernels keep one dtype throughout), `two_phase_torch` computes the operation,
+with its own autograd.
 """
 
 import functools
