@@ -308,24 +308,28 @@ def test_append_inverse_rms_gradient_matches_reference():
         assert_matches(kernel_grad, ref_grad)
 
 
-def operation_cases(dtype: torch.dtype) -> list[tuple[str, tuple]]:
-    """Each operation of `cpu.operators()` with inputs in `dtype`: phase 2 with and without an output scale, and the
-    fused norms with a gain of another dtype (the PyTorch path), where `dtype` is not fp32."""
+def operation_cases(dtype: torch.dtype) -> list[tuple[str, tuple, tuple | None]]:
+    """Each operation of `cpu.operators()` with inputs in `dtype`, and the arguments of the operator it calls (`None`
+    where none: a gain of another dtype takes the PyTorch path): phase 2 with and without an output scale, and the
+    fused norms with a gain of another dtype where `dtype` is not fp32."""
     stacked, blocks_inv_rms, queries = phase1_inputs(3, 2, (2, 5), 40, dtype)
     blocks = list(stacked.unbind(0))
     obar, lse, partial, query, norm_weight = phase2_inputs((2, 5), 40, dtype)
+    phase2_args = (obar, lse, partial, query, EPS)
     cases = [
         ("phase1", (blocks, blocks_inv_rms, queries)),
         ("close_block", (blocks, blocks_inv_rms[:-1], queries, EPS)),
-        ("phase2", (obar, lse, partial, query, EPS, None)),
-        ("phase2", (obar, lse, partial, query, EPS, torch.tensor(3.0))),
-        ("phase2_rms_norm", (obar, lse, partial, query, EPS, norm_weight, NORM_EPS)),
-        ("phase1_rms_norm", (obar, dtype, norm_weight, NORM_EPS)),
+        ("phase2", (*phase2_args, None)),
+        ("phase2", (*phase2_args, torch.tensor(3.0))),
+        ("phase2_rms_norm", (*phase2_args, norm_weight, NORM_EPS)),
         ("append_inverse_rms", (blocks_inv_rms, blocks[0], EPS)),
     ]
+    cases = [(name, args, args) for name, args in cases]
+    # the operator takes the output dtype from the gain
+    cases.append(("phase1_rms_norm", (obar, dtype, norm_weight, NORM_EPS), (obar, norm_weight, NORM_EPS)))
     if dtype != torch.float32:
-        cases.append(("phase2_rms_norm", (obar, lse, partial, query, EPS, norm_weight.float(), NORM_EPS)))
-        cases.append(("phase1_rms_norm", (obar, dtype, norm_weight.float(), NORM_EPS)))
+        cases.append(("phase2_rms_norm", (*phase2_args, norm_weight.float(), NORM_EPS), None))
+        cases.append(("phase1_rms_norm", (obar, dtype, norm_weight.float(), NORM_EPS), None))
     return cases
 
 
@@ -336,18 +340,12 @@ def test_operators_compute_what_the_kernels_compute(dtype):
     implementation (the shapes, dtypes and strides compiled graphs are built with) consistent with it, eager and
     traced."""
     direct, operators = cpu.implementations(differentiable=False), cpu.operators()
-    for name, args in operation_cases(dtype):
+    for name, args, operator_args in operation_cases(dtype):
         expected, computed = direct[name](*args), operators[name](*args)
         flat = [torch.utils._pytree.tree_leaves(outputs) for outputs in (expected, computed)]
         assert len(flat[0]) == len(flat[1]) and all(torch.equal(a, b) for a, b in zip(*flat)), name
-        if name == "phase1_rms_norm":  # the operator takes the output dtype from the gain
-            obar, dtype_arg, norm_weight, norm_eps = args
-            if norm_weight.dtype != dtype_arg:
-                continue  # the PyTorch path, no operator
-            args = (obar, norm_weight, norm_eps)
-        if name == "phase2_rms_norm" and args[5].dtype != args[2].dtype:
-            continue
-        torch.library.opcheck(getattr(torch.ops.attnres_cpu, name), args)
+        if operator_args is not None:
+            torch.library.opcheck(getattr(torch.ops.attnres_cpu, name), operator_args)
 
 
 # What each model's steps call besides phase 1 (`close_block`, and for the output step `append_inverse_rms` and
@@ -362,9 +360,9 @@ COMPILED_OPERATORS = [
 
 @pytest.mark.parametrize("residual_mode, family, retrofit, expected", COMPILED_OPERATORS)
 def test_compiled_inference_calls_the_kernels_as_operators(residual_mode, family, retrofit, expected, monkeypatch):
-    """Compiled without autograd (vLLM's compiled model, compiled decoding), the graph calls the kernels as custom
-    operators and computes the eager model's logits bit for bit (the graph run as traced); a graph that records
-    gradients runs `two_phase_torch` inlined, as the operators have no autograd formula. Gemma 3 under an exact
+    """Compiled without autograd (vLLM's compiled model, compiled decoding), the graph calls the kernels as the
+    dispatcher's operators and computes the eager model's logits bit for bit (the graph run as traced); a graph that
+    records gradients runs `two_phase_torch`, as the operators have no autograd formula. Gemma 3 under an exact
     retrofit: phase 2 alone, with output scales."""
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "cpu")
     model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode, family=family, exact_retrofit=retrofit))
