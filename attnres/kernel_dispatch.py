@@ -197,26 +197,33 @@ def depth_kernels(
         # Phase 1's region serves every block while its inputs are alike; where autograd records, the blocks require
         # gradients and the padding does not, a pattern of its own at every block, and torch keeps at most 8 traces
         # of a region: such a graph traces phase 1 block by block.
-        compiled = TORCH_KERNELS if differentiable else compiled_torch_kernels(device, num_blocks, num_queries, eps)
+        def compiled() -> DepthKernels:
+            return TORCH_KERNELS if differentiable else compiled_torch_kernels(device, num_blocks, num_queries, eps)
+
         kernels = _choose(device.type, setting, differentiable, compiled)
         return without_autocast(kernels, device.type) if autocast else kernels
     return _remembered(device.type, setting, differentiable, autocast)
 
 
 def _choose(
-    device_type: str, setting: str, differentiable: bool, compiled: DepthKernels | None = None
+    device_type: str, setting: str, differentiable: bool, compiled: Callable[[], DepthKernels] | None = None
 ) -> DepthKernels:
+    """The choice of `depth_kernels`; `compiled` builds the PyTorch implementation for a graph being traced, only
+    where it is chosen (the operators take its place otherwise)."""
     compiling = compiled is not None
-    torch_kernels = (compiled if compiling else TORCH_KERNELS)._replace(differentiable=differentiable)
+
+    def torch_kernels() -> DepthKernels:
+        return (compiled() if compiling else TORCH_KERNELS)._replace(differentiable=differentiable)
+
     if setting == "reference":
-        return torch_kernels
+        return torch_kernels()
     if not PACKAGED:
         if setting in ("cpu", "triton"):
             raise RuntimeError(
                 f"ATTNRES_DEPTH_KERNEL={setting}: a checkpoint's remote code runs the PyTorch implementation only; "
                 "load the model with the attnres package (without trust_remote_code) for its kernels"
             )
-        return torch_kernels
+        return torch_kernels()
     # A compiled graph that records gradients runs `two_phase_torch` inlined: the kernels' operators have no autograd
     # formula.
     if device_type == "cpu" and setting in ("auto", "cpu") and not (compiling and differentiable):
@@ -227,15 +234,15 @@ def _choose(
             return DepthKernels(**kernels, differentiable=differentiable)
         if setting == "cpu":
             raise RuntimeError("ATTNRES_DEPTH_KERNEL=cpu, but the fused CPU kernels could not be built (log above)")
-        return torch_kernels
+        return torch_kernels()
     if device_type != "cuda" and setting != "triton":
-        return torch_kernels
+        return torch_kernels()
     try:
         from attnres.kernels import phase1, phase2_rms_norm
     except ImportError:
         if setting == "triton":
             raise
-        return torch_kernels
+        return torch_kernels()
 
     def stacked_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
         # The Triton kernel reads the blocks stacked: one extra pass over them per block, not per sublayer.
