@@ -18,9 +18,17 @@ round's ratio is an engine's tokens/s over the baseline's in the same round; the
 rounds (the JSON also holds the quartiles). Dynamo's counters after the run show the graphs compiled and the
 recompilations: a model that recompiles per block or per sequence length shows more of them than Llama.
 
+`--instances N` starts every engine N times per mode, each time in a new process with an empty compile cache (as
+`benchmarks/overhead.py` does for its models: an engine's process has a speed of its own for its whole life, which
+more rounds do not average out). The ratios pool the rounds of all instances, each instance's median ratio is
+recorded beside them (`ratio_instances`; in brackets in the table), and start-up is the median over instances.
+`--engines` times a subset (native Llama always among them).
+
 Usage (from the repository root, after scripts/setup_engines.sh):
     python -m benchmarks.vllm                      # eager and compiled, batch 1 and 8 (about 30 minutes on 2 cores)
     python -m benchmarks.vllm --modes eager --rounds 3 --output /tmp/vllm.json     # a quick look
+    python -m benchmarks.vllm --modes compiled --engines llama-native attnres-native --instances 4 \
+        --output benchmarks/results/vllm_native_instances.json   # the native model against native Llama (35 minutes)
 Prints a markdown table and writes JSON to benchmarks/results/vllm.json.
 """
 
@@ -114,40 +122,24 @@ def quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
 
 
-def run_mode(mode: str, models: dict, args, work: Path) -> dict:
+def run_instance(mode: str, models: dict, names: list[str], args, work: Path, instance: int) -> dict:
+    """One instance of the engines `names` in `mode`: each started afresh (in a new process, with an empty compile
+    cache), then timed in `args.rounds` rounds per batch."""
     engines = {}
     try:
-        for name in ENGINES:  # one at a time: each start-up (and compile) is timed alone
-            engines[name] = Engine(name, *models[name], mode, work)
-            print(f"[{mode}] {name} started in {engines[name].started['startup_seconds']:.1f} s", flush=True)
+        for name in names:  # one at a time: each start-up (and compile) is timed alone
+            engines[name] = Engine(name, *models[name], mode, work / f"instance-{instance}")
+            print(f"[{mode} {instance}] {name} started in {engines[name].started['startup_seconds']:.1f} s", flush=True)
         for engine in engines.values():  # a warm-up call, outside the rounds, for every engine alike
             engine.generate(1, 4)
-        by_batch = {}
+        samples = {}
         for batch in args.batches:
-            samples = {name: [] for name in ENGINES}
+            samples[str(batch)] = {name: [] for name in names}
             for round_index in range(args.rounds):
-                shift = round_index % len(ENGINES)
-                order = ENGINES[shift:] + ENGINES[:shift]
-                for name in order:
+                shift = round_index % len(names)
+                for name in names[shift:] + names[:shift]:
                     result = engines[name].generate(batch, args.max_tokens)
-                    samples[name].append(result["tokens"] / result["seconds"])
-            ratios = {
-                f"{name}/{baseline}": [a / b for a, b in zip(samples[name], samples[baseline])]
-                for name in ENGINES
-                for baseline in BASELINES
-                if name != baseline
-            }
-            by_batch[str(batch)] = {
-                "tokens_per_second": {name: statistics.median(values) for name, values in samples.items()},
-                "samples": samples,
-                "ratio_median": {key: statistics.median(values) for key, values in ratios.items()},
-                "ratio_quartiles": {key: quartiles(values) for key, values in ratios.items()},
-            }
-            print(
-                f"[{mode}] batch {batch}: "
-                + ", ".join(f"{k} {v:.1f} tok/s" for k, v in by_batch[str(batch)]["tokens_per_second"].items()),
-                flush=True,
-            )
+                    samples[str(batch)][name].append(result["tokens"] / result["seconds"])
         final = {name: engine.generate(1, 1)["dynamo"] for name, engine in engines.items()}
         return {
             "startup_seconds": {name: engine.started["startup_seconds"] for name, engine in engines.items()},
@@ -156,46 +148,96 @@ def run_mode(mode: str, models: dict, args, work: Path) -> dict:
                 name: engine.started["compile_phase_seconds"] for name, engine in engines.items()
             },
             "dynamo_after_run": final,
-            "batches": by_batch,
+            "samples": samples,
         }
     finally:
         for engine in engines.values():
             engine.close()
 
 
+def run_mode(mode: str, models: dict, names: list[str], args, work: Path) -> dict:
+    """`args.instances` instances of the engines in `mode`. Each engine's process has a speed of its own for its
+    whole life (where its memory lands), which more rounds do not average out: the ratios pool the rounds of every
+    instance, and each instance's own median ratio is recorded (`ratio_instances`), whose spread shows that
+    uncertainty. Start-up is the median over instances."""
+    instances = []
+    for instance in range(args.instances):
+        (work / f"instance-{instance}").mkdir(exist_ok=True)
+        instances.append(run_instance(mode, models, names, args, work, instance))
+    pairs = [(name, baseline) for name in names for baseline in BASELINES if baseline in names and name != baseline]
+    by_batch = {}
+    for batch in map(str, args.batches):
+        samples = {name: [x for run in instances for x in run["samples"][batch][name]] for name in names}
+        ratios = {
+            f"{name}/{baseline}": [
+                [a / b for a, b in zip(run["samples"][batch][name], run["samples"][batch][baseline])]
+                for run in instances
+            ]
+            for name, baseline in pairs
+        }
+        by_batch[batch] = {
+            "tokens_per_second": {name: statistics.median(values) for name, values in samples.items()},
+            "samples": samples,
+            "ratio_median": {key: statistics.median(sum(runs, [])) for key, runs in ratios.items()},
+            "ratio_quartiles": {key: quartiles(sum(runs, [])) for key, runs in ratios.items()},
+            "ratio_instances": {key: [statistics.median(run) for run in runs] for key, runs in ratios.items()},
+        }
+        print(
+            f"[{mode}] batch {batch}: "
+            + ", ".join(f"{k} {v:.1f} tok/s" for k, v in by_batch[batch]["tokens_per_second"].items()),
+            flush=True,
+        )
+    startups = {name: [run["startup_seconds"][name] for run in instances] for name in names}
+    return {
+        "startup_seconds": {name: statistics.median(values) for name, values in startups.items()},
+        "startup_seconds_instances": startups,
+        "instances": [{key: value for key, value in run.items() if key != "samples"} for run in instances],
+        "batches": by_batch,
+    }
+
+
 def table(results: dict) -> str:
+    names = results["settings"]["engines"]
+    baselines = [baseline for baseline in BASELINES if baseline in names]
+    headers = {"llama-native": "Llama (native)", "llama-transformers": "Llama (Transformers backend)"}
+    headers["attnres-transformers"] = "AttnRes (Transformers backend)"
     lines = [
-        "| mode | batch | engine | tokens/s | vs Llama (native) | vs Llama (Transformers backend) "
-        "| vs AttnRes (Transformers backend) |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | batch | engine | tokens/s | " + " | ".join(f"vs {headers[b]}" for b in baselines) + " |",
+        "|---|---|---|---|" + "---|" * len(baselines),
     ]
     for mode, run in results["modes"].items():
         for batch, stats in run["batches"].items():
-            for name in ENGINES:
+            for name in names:
                 cells = []
-                for baseline in BASELINES:
+                for baseline in baselines:
                     key = f"{name}/{baseline}"
                     if key in stats["ratio_median"]:
                         low, _, high = stats["ratio_quartiles"][key]
-                        cells.append(f"{stats['ratio_median'][key]:.3f} ({low:.3f}-{high:.3f})")
+                        cell = f"{stats['ratio_median'][key]:.3f} ({low:.3f}-{high:.3f})"
+                        if len(stats["ratio_instances"][key]) > 1:
+                            cell += " [" + ", ".join(f"{x:.3f}" for x in stats["ratio_instances"][key]) + "]"
+                        cells.append(cell)
                     else:
                         cells.append("1")
                 tps = stats["tokens_per_second"][name]
                 lines.append(f"| {mode} | {batch} | {name} | {tps:.1f} | {' | '.join(cells)} |")
     if "compile_seconds" in results:
+        compile_baselines = [baseline for baseline in baselines if baseline.startswith("llama")]
         lines += [
             "",
-            "| engine | eager start-up (s) | compiled start-up (s) | compile (s) | compiled start-up vs Llama (native) "
-            "| compile vs Llama (native) | compile vs Llama (Transformers) |",
-            "|---|---|---|---|---|---|---|",
+            "| engine | eager start-up (s) | compiled start-up (s) | compile (s) "
+            "| compiled start-up vs Llama (native) | "
+            + " | ".join(f"compile vs {headers[b]}" for b in compile_baselines)
+            + " |",
+            "|---|---|---|---|---|" + "---|" * len(compile_baselines),
         ]
         compile_seconds = results["compile_seconds"]
         startup = results["modes"]["compiled"]["startup_seconds"]
-        for name in ENGINES:
+        for name in names:
             eager = results["modes"]["eager"]["startup_seconds"][name]
-            ratios = [compile_seconds[name] / compile_seconds[baseline] for baseline in BASELINES[:2]]
+            ratios = [f"{compile_seconds[name] / compile_seconds[baseline]:.2f}" for baseline in compile_baselines]
             cells = f"{eager:.1f} | {startup[name]:.1f} | {compile_seconds[name]:.1f}"
-            cells += f" | {startup[name] / startup['llama-native']:.2f} | {ratios[0]:.2f} | {ratios[1]:.2f}"
+            cells += f" | {startup[name] / startup['llama-native']:.2f} | {' | '.join(ratios)}"
             lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
 
@@ -204,12 +246,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
     parser.add_argument("--batches", nargs="+", type=int, choices=range(1, 9), default=[1, 8], metavar="{1..8}")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--instances", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "vllm.json")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds={args.rounds}: must be a positive integer")
+    if args.instances < 1:
+        parser.error(f"--instances={args.instances}: must be a positive integer")
+    if "llama-native" not in args.engines:
+        parser.error(f"--engines={' '.join(args.engines)}: must include llama-native, the baseline of every ratio")
     if args.max_tokens < 1:
         parser.error(f"--max-tokens={args.max_tokens}: must be a positive integer")
     if not VLLM_PYTHON.exists():
@@ -219,12 +267,12 @@ def main() -> None:
         work = Path(folder)
         models = checkpoints(work)
         started = time.time()
-        results = {"modes": {mode: run_mode(mode, models, args, work) for mode in args.modes}}
+        results = {"modes": {mode: run_mode(mode, models, args.engines, args, work) for mode in args.modes}}
     if set(args.modes) == {"eager", "compiled"}:
         results["compile_seconds"] = {
             name: results["modes"]["compiled"]["startup_seconds"][name]
             - results["modes"]["eager"]["startup_seconds"][name]
-            for name in ENGINES
+            for name in args.engines
         }
     vllm_version = subprocess.run(
         [str(VLLM_PYTHON), "-c", "import vllm, transformers; print(vllm.__version__, transformers.__version__)"],
@@ -234,7 +282,9 @@ def main() -> None:
     ).stdout.split()
     results["settings"] = {
         "batches": args.batches,
+        "engines": args.engines,
         "rounds": args.rounds,
+        "instances": args.instances,
         "max_tokens": args.max_tokens,
         "prompt_tokens": PROMPT_LENGTH,
         "dtype": "float32",
