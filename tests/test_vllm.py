@@ -287,6 +287,20 @@ def test_vllm_native_model_equals_generate(native_runs, run):
     assert result["token_ids"] == greedy_tokens(Path(job["model"]), job["prompts"], job["max_tokens"])
 
 
+def test_vllm_native_model_fuses_phase_2_into_vllms_rms_norm(native_runs):
+    """vLLM's `RMSNorm` computes Llama's function, so the native model hands a depth step's last phase to the kernel
+    fused with that norm and never calls the norm's module (eager runs: a hook counts the first layer's attention
+    pre-norm). Gemma 3's `1 + w` norm reads the step's result computed, and standard mode's stream is a tensor: both
+    call it. The tokens of these runs are `generate`'s (above)."""
+    runs, _ = native_runs
+    fused = ("smollm2-block", "tiny-block", "tiny-block3", "tiny-full", "tiny-moe")
+    fused += ("tiny-qwen3", "tiny-qwen2", "tiny-mistral")
+    called = ("tiny-gemma3", "tiny-standard")
+    calls = {name: runs[name, True][1]["pre_norm_calls"] for name in (*fused, *called)}
+    assert all(calls[name] == [0] for name in fused), calls
+    assert all(calls[name][0] > 0 for name in called), calls
+
+
 def test_vllm_native_model_keeps_continuous_batching_and_prefix_caching(native_runs, tiny_models):
     """Mixed prefill and decode in one forward pass, and prompts that share a cached prefix, give each prompt the
     tokens `generate` gives it alone."""

@@ -13,8 +13,9 @@ first, one at a time; `dummy_batch` runs vLLM's dummy batch on every worker firs
 RESULTS.json gets, per job, the greedy token ids of each prompt (all prompts in one `generate` call, so vLLM
 schedules them into shared flattened batches over its paged KV cache), per worker the model's class and its decoder
 layers' range, the classes of the last decoder layer's modules, the batches one forward pass computed (as runs of
-consecutive positions: a sequence's prefill chunk or decoded token), the prefix cache's hits, and what the process
-had imported: whether `attnres` (the installed package) was, and the checkpoint's own modeling module.
+consecutive positions: a sequence's prefill chunk or decoded token) and the calls of its attention pre-norm module,
+the prefix cache's hits, and what the process had imported: whether `attnres` (the installed package) was, and the
+checkpoint's own modeling module.
 """
 
 import gc
@@ -41,6 +42,10 @@ def record_batch(module, args, kwargs) -> None:
     module.batches = [*getattr(module, "batches", []), position_runs(positions)]
 
 
+def count_call(module, args) -> None:
+    module.calls = getattr(module, "calls", 0) + 1
+
+
 def first_layer(model):
     """The first decoder layer this worker computes: the native model's stage starts at `start_layer`."""
     return model.model.layers[getattr(model.model, "start_layer", 0)]
@@ -52,6 +57,9 @@ def watch_batches(model) -> dict:
     model's class, its layers' range, and the classes of the last layer's modules by name, after the backend swapped
     in its own (fused projections, norms)."""
     first_layer(model).register_forward_pre_hook(record_batch, with_kwargs=True)
+    pre_norm = getattr(first_layer(model), "input_layernorm", None)  # OLMo 2's layers have none
+    if pre_norm is not None:
+        pre_norm.register_forward_pre_hook(count_call)
     start, end = getattr(model.model, "start_layer", 0), getattr(model.model, "end_layer", len(model.model.layers))
     layer_modules = {name: type(module).__name__ for name, module in model.model.layers[end - 1].named_modules()}
     return {"model_class": type(model).__name__, "base_class": type(model.model).__name__, "layers": [start, end],
@@ -60,6 +68,13 @@ def watch_batches(model) -> dict:
 
 def batches_seen(model) -> list:
     return getattr(first_layer(model), "batches", [])
+
+
+def pre_norm_calls(model) -> int | None:
+    """How many times the first layer's attention pre-norm module was called (eager only: hooks do not run in a
+    compiled graph), `None` where the layer has none."""
+    pre_norm = getattr(first_layer(model), "input_layernorm", None)
+    return None if pre_norm is None else getattr(pre_norm, "calls", 0)
 
 
 def prefix_cache_hits(llm) -> int:
@@ -89,6 +104,7 @@ def run_job(job: dict) -> dict:
         llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in job["prompts"]], sampling, use_tqdm=False)
     batches = llm.apply_model(batches_seen)
+    norm_calls = llm.apply_model(pre_norm_calls)
     hits = prefix_cache_hits(llm) if engine.get("enable_prefix_caching") else None
     del llm
     gc.collect()
@@ -101,6 +117,7 @@ def run_job(job: dict) -> dict:
         "token_ids": [list(output.outputs[0].token_ids) for output in outputs],
         "workers": workers,
         "batches": batches,
+        "pre_norm_calls": norm_calls,
         "prefix_cache_hits": hits,
         "attnres_imported": "attnres" in sys.modules,
         "remote_modeling_imported": any(name.endswith(".modeling_attnres") for name in sys.modules),

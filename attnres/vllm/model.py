@@ -50,9 +50,16 @@ from .families import NATIVE_FAMILIES, NativeFamily, why_not_native
 logger = init_logger("vllm.attnres")
 
 
-def sublayer_input(mixed: torch.Tensor | PendingInput) -> torch.Tensor:
-    """A depth step's result as a tensor: vLLM's norms read the step's input computed (docs/design.md §6)."""
-    return mixed.value() if isinstance(mixed, PendingInput) else mixed
+def pre_norm(norm: nn.Module, mixed: torch.Tensor | PendingInput) -> torch.Tensor:
+    """`norm(mixed)` for the norm in front of a sublayer or of the output. vLLM's `RMSNorm` computes Llama's function,
+    so a depth step's pending input goes to the kernel that computes the step's last phase fused with that norm
+    (docs/design.md §6), as the Transformers model's `AttnResRMSNorm` does: one call in place of phase 2's and the
+    norm's, whose input never goes through memory. Any other norm (Gemma's `1 + w`) reads the step's result computed."""
+    if not isinstance(mixed, PendingInput):
+        return norm(mixed)
+    if type(norm) is layernorm.RMSNorm and norm.has_weight and norm.variance_size_override is None:
+        return mixed.normalized(norm.weight, norm.variance_epsilon)
+    return norm(mixed.value())
 
 
 def keep_in_float32(mixer: nn.Module) -> nn.Module:
@@ -79,13 +86,13 @@ class AttnResDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, state: DepthState | ResidualStream, context: DepthContext
     ) -> DepthState | ResidualStream:
-        hidden_states = self.input_layernorm(sublayer_input(self.attn_residual(state, context)))
+        hidden_states = pre_norm(self.input_layernorm, self.attn_residual(state, context))
         output = self.self_attn(positions=positions, hidden_states=hidden_states)
         if self.attn_post_norm_name is not None:
             output = getattr(self, self.attn_post_norm_name)(output)
         state = self.attn_residual.absorb(output, state, context)
 
-        hidden_states = getattr(self, self.mlp_norm_name)(sublayer_input(self.mlp_residual(state, context)))
+        hidden_states = pre_norm(getattr(self, self.mlp_norm_name), self.mlp_residual(state, context))
         output = getattr(self, self.mlp_name)(hidden_states)
         if self.mlp_post_norm_name is not None:
             output = getattr(self, self.mlp_post_norm_name)(output)
@@ -219,7 +226,7 @@ class AttnResModel(nn.Module):
             state = layer(positions, state, context)
         if not get_pp_group().is_last_rank:
             return self.sent.tensors(state)
-        return self.norm(sublayer_input(self.output_residual(state, context)))
+        return pre_norm(self.norm, self.output_residual(state, context))
 
     def remote_query_name(self, name: str) -> str:
         """The name under which this stage loads a checkpoint tensor: a depth query of another stage's layer goes to
