@@ -25,10 +25,10 @@ recorded beside them (`ratio_instances`; in brackets in the table), and start-up
 `--engines` times a subset (native Llama always among them).
 
 Usage (from the repository root, after scripts/setup_engines.sh):
-    python -m benchmarks.vllm                      # eager and compiled, batch 1 and 8 (about 30 minutes on 2 cores)
+    python -m benchmarks.vllm                      # eager and compiled, batch 1 and 8 (about 15 minutes on 2 cores)
     python -m benchmarks.vllm --modes eager --rounds 3 --output /tmp/vllm.json     # a quick look
     python -m benchmarks.vllm --modes compiled --engines llama-native attnres-native --instances 4 \
-        --output benchmarks/results/vllm_native_instances.json   # the native model against native Llama (35 minutes)
+        --output benchmarks/results/vllm_native_instances.json   # the native model against native Llama (15 minutes)
 Prints a markdown table and writes JSON to benchmarks/results/vllm.json.
 """
 
@@ -199,8 +199,11 @@ def run_mode(mode: str, models: dict, names: list[str], args, work: Path) -> dic
 def table(results: dict) -> str:
     names = results["settings"]["engines"]
     baselines = [baseline for baseline in BASELINES if baseline in names]
-    headers = {"llama-native": "Llama (native)", "llama-transformers": "Llama (Transformers backend)"}
-    headers["attnres-transformers"] = "AttnRes (Transformers backend)"
+    headers = {
+        "llama-native": "Llama (native)",
+        "llama-transformers": "Llama (Transformers backend)",
+        "attnres-transformers": "AttnRes (Transformers backend)",
+    }
     lines = [
         "| mode | batch | engine | tokens/s | " + " | ".join(f"vs {headers[b]}" for b in baselines) + " |",
         "|---|---|---|---|" + "---|" * len(baselines),
