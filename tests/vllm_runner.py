@@ -51,13 +51,18 @@ def first_layer(model):
     return model.model.layers[getattr(model.model, "start_layer", 0)]
 
 
+def first_pre_norm(model):
+    """The first layer's attention pre-norm module, or `None` (OLMo 2's layers have none)."""
+    return getattr(first_layer(model), "input_layernorm", None)
+
+
 def watch_batches(model) -> dict:
     """Run in each worker: records the positions of every forward pass at the first layer it computes (the base
     model's own call goes through vLLM's compile wrapper, which skips hooks; so does a compiled layer). Returns the
     model's class, its layers' range, and the classes of the last layer's modules by name, after the backend swapped
     in its own (fused projections, norms)."""
     first_layer(model).register_forward_pre_hook(record_batch, with_kwargs=True)
-    pre_norm = getattr(first_layer(model), "input_layernorm", None)  # OLMo 2's layers have none
+    pre_norm = first_pre_norm(model)
     if pre_norm is not None:
         pre_norm.register_forward_pre_hook(count_call)
     start, end = getattr(model.model, "start_layer", 0), getattr(model.model, "end_layer", len(model.model.layers))
@@ -73,7 +78,7 @@ def batches_seen(model) -> list:
 def pre_norm_calls(model) -> int | None:
     """How many times the first layer's attention pre-norm module was called (eager only: hooks do not run in a
     compiled graph), `None` where the layer has none."""
-    pre_norm = getattr(first_layer(model), "input_layernorm", None)
+    pre_norm = first_pre_norm(model)
     return None if pre_norm is None else getattr(pre_norm, "calls", 0)
 
 
