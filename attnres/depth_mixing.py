@@ -44,21 +44,23 @@ def num_depth_sources(position: int, block_size: int, num_sublayers: int) -> int
 class PendingInput(NamedTuple):
     """A step's input `k * h`, handed over uncomputed to the RMSNorm that reads it (docs/design.md §6).
 
-    `h` is only ever read by the pre-norm in front of its sublayer, so the model's own norm (`AttnResRMSNorm`)
-    computes the step's last phase and its own normalisation in one operation, and `h` is never written to memory
-    nor kept for the backward pass. Any other norm (an engine's that replaced the model's, as vLLM's Transformers
-    backend does) reads the input itself, computed unfused (`value`). A named tuple of plain tuples, so that
-    accelerate's hooks (`device_map`) move its tensors to the norm's device like any other input.
+    `h` is only ever read by the pre-norm in front of its sublayer, so the model's own norm (`AttnResRMSNorm`, or a
+    family's RMSNorm of the same function on an fp32 stream, `modeling_attnres.FusableNorm`) computes the step's last
+    phase and its own normalisation in one operation, and `h` is never written to memory nor kept for the backward
+    pass. Any other norm (an engine's that replaced the model's, as vLLM's Transformers backend does) reads the input
+    itself, computed unfused (`value`). A named tuple of plain tuples, so that accelerate's hooks (`device_map`) move
+    its tensors to the norm's device like any other input.
 
-    `scale` is the step's output scale k (1 but under `exact_retrofit`, docs/design.md §5): the fused norm folds it
-    into its eps, `RMSNorm(k h; eps) = RMSNorm(h; eps / k²)`, and `value` multiplies by `scale_tensor`, the same k as
-    the step's 0-d buffer, so that under torch.compile every step's kernels read k as an input instead of a constant
-    of their own.
+    `dtype` is the dtype of `k * h`, the stream's. `scale` is the step's output scale k (1 but under `exact_retrofit`,
+    docs/design.md §5): the fused norm folds it into its eps, `RMSNorm(k h; eps) = RMSNorm(h; eps / k²)`, and `value`
+    multiplies by `scale_tensor`, the same k as the step's 0-d buffer, so that under torch.compile every step's
+    kernels read k as an input instead of a constant of their own.
     """
 
     compute: Callable
     compute_and_norm: Callable
     inputs: tuple
+    dtype: torch.dtype
     scale: float = 1.0
     scale_tensor: torch.Tensor | None = None
 
@@ -225,9 +227,10 @@ class DepthAttention(DepthMixer):
         # k and its buffer (`PendingInput`), read only where k is not 1: a buffer's lookup is a Python call per step.
         scale = (self.output_scale, self.output_scale_tensor) if self.output_scale != 1 else ()
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
-            return PendingInput(block_input, kernels.phase1_rms_norm, (row, state.blocks[0].dtype), *scale)
+            dtype = state.blocks[0].dtype
+            return PendingInput(block_input, kernels.phase1_rms_norm, (row, dtype), dtype, *scale)
         args = (row, lse, state.partial, self.step_query(state), self.eps)
-        return PendingInput(kernels.phase2, kernels.phase2_rms_norm, args, *scale)
+        return PendingInput(kernels.phase2, kernels.phase2_rms_norm, args, state.partial.dtype, *scale)
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:
         kernels = context.kernels

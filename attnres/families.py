@@ -547,7 +547,12 @@ class Family:
     llama_norm: the family's norm computes Llama's function (`LlamaRMSNorm`, which Transformers copies into each
         such family). The model then holds `AttnResRMSNorm` in its place, which computes a depth step's last phase
         fused with the normalisation (docs/design.md §6); other norms (Gemma's `1 + w`, OLMo 2's gain in fp32, a
-        LayerNorm) are the family's own, and read the step's result computed.
+        LayerNorm) are the family's own, and read the step's result computed but where `norm_gain_offset` says
+        otherwise.
+    norm_gain_offset: where the family's norm is an RMSNorm that multiplies by its gain `offset + w` in fp32 and rounds
+        after it (Gemma's `1 + w`: 1; OLMo 2's and GPT-OSS's `w`: 0), the offset; `None` for Llama's norm and for
+        norms of another function. On an fp32 stream the rounding is a no-op and such a norm computes Llama's function
+        with that gain, which a depth step's last phase is then fused with too (`modeling_attnres.FusableNorm`).
     scaled_embedding: the family's embedding module multiplies by sqrt(hidden_size) (`<prefix>TextScaledWordEmbedding`).
     embedding_scale: the family's model multiplies the token embeddings by sqrt(hidden_size) before it adds the
         positions (CTRL).
@@ -652,6 +657,7 @@ class Family:
     norm: str = "RMSNorm"
     norm_eps: str | None = "rms_norm_eps"
     llama_norm: bool = True
+    norm_gain_offset: int | None = None
     scaled_embedding: bool = False
     embedding_scale: bool = False
     embedding_dropout: str | None = None
@@ -893,7 +899,7 @@ class Family:
         return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
 
 
-GEMMA = dict(llama_norm=False, scaled_embedding=True)
+GEMMA = dict(llama_norm=False, norm_gain_offset=1, scaled_embedding=True)
 GRANITE_MULTIPLIERS = dict(
     embedding_multiplier="embedding_multiplier",
     residual_multiplier="residual_multiplier",
@@ -1073,13 +1079,21 @@ FAMILIES = {
             rotary_per_layer_type=True,
             **GEMMA,
         ),
-        Family("olmo2", "olmo2", "Olmo2", POST_BRANCH_NORM, llama_norm=False),
-        Family("olmo3", "olmo3", "Olmo3", POST_BRANCH_NORM, llama_norm=False, rotary_per_layer_type=True),
+        Family("olmo2", "olmo2", "Olmo2", POST_BRANCH_NORM, llama_norm=False, norm_gain_offset=0),
+        Family(
+            "olmo3",
+            "olmo3",
+            "Olmo3",
+            POST_BRANCH_NORM,
+            llama_norm=False,
+            norm_gain_offset=0,
+            rotary_per_layer_type=True,
+        ),
         Family("ministral", "ministral", "Ministral"),
         Family("glm4", "glm4", "Glm4", GLM4_NORMS),
         Family("ernie4_5", "ernie4_5", "Ernie4_5"),
         Family("seed_oss", "seed_oss", "SeedOss"),
-        Family("helium", "helium", "Helium", llama_norm=False),
+        Family("helium", "helium", "Helium", llama_norm=False, norm_gain_offset=0),
         Family("arcee", "arcee", "Arcee"),
         Family("hunyuan_v1_dense", "hunyuan_v1_dense", "HunYuanDenseV1"),
         Family("exaone4", "exaone4", "Exaone4", POST_BRANCH_NORM),
@@ -1119,6 +1133,7 @@ FAMILIES = {
             "gpt_oss",
             "GptOss",
             llama_norm=False,
+            norm_gain_offset=0,
             moe=Moe(router="mlp.router", mixtral_experts=False, router_class="GptOssTopKRouter"),
         ),
         Family("glm4_moe", "glm4_moe", "Glm4Moe", moe=NO_LOAD_BALANCING_LOSS),
@@ -1146,6 +1161,7 @@ FAMILIES = {
                 Sublayer("feed_forward", "post_attention_layernorm", call=FEED_FORWARD),
             ),
             llama_norm=False,
+            norm_gain_offset=0,
             moe=Moe(
                 router="feed_forward.router",
                 logits_index=1,
@@ -1156,7 +1172,7 @@ FAMILIES = {
             model_prefix="Llama4",
         ),
         Family("hy_v3", "hy_v3", "HYV3", moe=Moe(load_balancing_loss=False)),
-        Family("flint", "flint", "Flint", llama_norm=False, moe=Moe("num_experts")),
+        Family("flint", "flint", "Flint", llama_norm=False, norm_gain_offset=0, moe=Moe("num_experts")),
         Family(
             "aria_text",
             "aria",
@@ -1200,7 +1216,15 @@ FAMILIES = {
         ),
         # The norms before attention, and before the MoE in MoE layers, gate their output (`AXK2GatedRMSNorm`).
         Family("axk2", "axk2", "AXK2", moe=NO_LOAD_BALANCING_LOSS),
-        Family("flex_olmo", "flex_olmo", "FlexOlmo", POST_BRANCH_NORM, llama_norm=False, moe=Moe("num_experts")),
+        Family(
+            "flex_olmo",
+            "flex_olmo",
+            "FlexOlmo",
+            POST_BRANCH_NORM,
+            llama_norm=False,
+            norm_gain_offset=0,
+            moe=Moe("num_experts"),
+        ),
         Family(
             "granitemoeshared",
             "granitemoeshared",
@@ -1224,6 +1248,7 @@ FAMILIES = {
             "Afmoe",
             AFMOE_NORMS,
             llama_norm=False,
+            norm_gain_offset=0,
             mup_embedding_scale="mup_enabled",
             moe=Moe(
                 "num_experts",
@@ -1239,6 +1264,7 @@ FAMILIES = {
             "Qwen3Next",
             layer_sublayers=GATED_DELTANET,
             llama_norm=False,
+            norm_gain_offset=1,
             moe=Moe("num_experts"),
         ),
         # Qwen3.5's text decoders: multimodal rotary sections over text positions.
@@ -1248,6 +1274,7 @@ FAMILIES = {
             "Qwen3_5",
             layer_sublayers=GATED_DELTANET,
             llama_norm=False,
+            norm_gain_offset=1,
             rotary_embedding="TextRotaryEmbedding",
         ),
         Family(
@@ -1256,6 +1283,7 @@ FAMILIES = {
             "Qwen3_5Moe",
             layer_sublayers=GATED_DELTANET,
             llama_norm=False,
+            norm_gain_offset=1,
             rotary_embedding="TextRotaryEmbedding",
             moe=Moe("num_experts"),
         ),
@@ -1314,7 +1342,7 @@ FAMILIES = {
         Family("minicpm5_moe", "minicpm5_moe", "MiniCPM5Moe", moe=NO_LOAD_BALANCING_LOSS),
         # MiniMax M3's text decoder: Gemma's `1 + w` norms, sparse attention layers whose indexer picks key blocks
         # from the causal mask, dense layers among MoE ones with a shared expert.
-        Family("minimax_m3_vl_text", "minimax_m3_vl", "MiniMaxM3VL", llama_norm=False, moe=MOE),
+        Family("minimax_m3_vl_text", "minimax_m3_vl", "MiniMaxM3VL", llama_norm=False, norm_gain_offset=1, moe=MOE),
         # Param2 and Sarvam-30B run GLM-4.5's model, Sarvam-105B DeepSeek-V3's, on configs of their own.
         Family("param2moe", "glm4_moe", "Glm4Moe", moe=NO_LOAD_BALANCING_LOSS),
         Family("sarvam_moe", "glm4_moe", "Glm4Moe", moe=NO_LOAD_BALANCING_LOSS),
@@ -1351,6 +1379,7 @@ FAMILIES = {
             "LaraMini",
             layer_sublayers={**GATED_DELTANET, "sliding_attention": PRE_NORM},
             llama_norm=False,
+            norm_gain_offset=0,
             rope_layer_types=("sliding_attention",),
             moe=Moe("num_experts"),
         ),
@@ -1365,6 +1394,7 @@ FAMILIES = {
                 "linear_attention": GATED_DELTANET["linear_attention"],
             },
             llama_norm=False,
+            norm_gain_offset=0,
             rope_layer_types=("full_attention",),
             optional_rope=True,
             layer_decoder_layers={
@@ -1402,8 +1432,8 @@ FAMILIES = {
             **GRANITE_MULTIPLIERS,
         ),
         # Mamba's and Mamba 2's norms compute Llama's function in code of their own (the test compares the code).
-        Family("mamba", "mamba", "Mamba", MAMBA_MIXER, llama_norm=False, **MAMBA),
-        Family("mamba2", "mamba2", "Mamba2", MAMBA_MIXER, llama_norm=False, **MAMBA),
+        Family("mamba", "mamba", "Mamba", MAMBA_MIXER, llama_norm=False, norm_gain_offset=0, **MAMBA),
+        Family("mamba2", "mamba2", "Mamba2", MAMBA_MIXER, llama_norm=False, norm_gain_offset=0, **MAMBA),
         Family("falcon_mamba", "falcon_mamba", "FalconMamba", MAMBA_MIXER, **MAMBA),
         # Its norms apply the gain in fp32; sigmoid routing with a bias, no loss, the experts an MLP without a gate.
         Family(
@@ -1412,6 +1442,7 @@ FAMILIES = {
             "NemotronH",
             layer_sublayers=NEMOTRON_H_MIXERS,
             llama_norm=False,
+            norm_gain_offset=0,
             moe=Moe(
                 "n_routed_experts",
                 router="mixer.gate",
@@ -1468,6 +1499,7 @@ FAMILIES = {
             "RecurrentGemma",
             layer_sublayers=GRIFFIN,
             llama_norm=False,
+            norm_gain_offset=1,
             embedding_scale_dtype=torch.bfloat16,
             logit_softcap="logits_soft_cap",
             rotary_embedding=None,

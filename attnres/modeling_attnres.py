@@ -13,6 +13,7 @@ import inspect
 import math
 from collections.abc import Iterable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,6 +53,7 @@ from .families import (
     layer_types,
     norm_eps,
 )
+from .two_phase import as_float32
 from .transformers_compat import (
     CACHE_NAME,
     accepts_cache_params,
@@ -82,12 +84,55 @@ class AttnResRMSNorm(LlamaRMSNorm):
         return super().forward(hidden_states)
 
 
-def pre_norm(norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
+class FusableNorm(NamedTuple):
+    """A family's RMSNorm that multiplies by its gain `offset + w` in fp32 and rounds after it (Gemma's, OLMo 2's:
+    `Family.norm_gain_offset`). On an fp32 stream that rounding is a no-op and the norm computes `AttnResRMSNorm`'s
+    function with that gain, so a depth step's last phase is fused with it there too; on a bf16 or fp16 stream the
+    two round differently, and the norm reads the step's computed result.
+
+    The fused form reads the norm's gain without calling it, so it serves only the family's own norm (not one an
+    engine put in its place) whose gain is on the stream's device: where accelerate's hooks would move or load it
+    first (`device_map`, offloading), the norm is called as usual.
+    """
+
+    norm_class: type[nn.Module]
+    gain_offset: int
+    eps_name: str
+
+    @classmethod
+    def of(cls, family: Family, norm: nn.Module | None) -> "FusableNorm | None":
+        """How `norm`, one of the family's norms, is fused; `None` where it is not the family's fusable norm."""
+        if family.norm_gain_offset is None or type(norm) is not family.norm_class:
+            return None
+        eps_name = "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps"
+        return cls(type(norm), family.norm_gain_offset, eps_name)
+
+    def normalized(self, norm: nn.Module, hidden_states: PendingInput) -> torch.Tensor | None:
+        """`norm(hidden_states)` computed fused, or `None` where it cannot be."""
+        if type(norm) is not self.norm_class or hidden_states.dtype != torch.float32:
+            return None
+        weight = norm.weight
+        if weight.device != hidden_states.inputs[0].device:
+            return None
+        gain = as_float32(weight)
+        if self.gain_offset:
+            gain = gain + self.gain_offset
+        return hidden_states.normalized(gain, getattr(norm, self.eps_name))
+
+
+def pre_norm(
+    norm: nn.Module | None, hidden_states: torch.Tensor | PendingInput, fusable: FusableNorm | None = None
+) -> torch.Tensor:
     """`norm(hidden_states)`, for the norm in front of a sublayer or of the output (none in front of OLMo 2's
-    sublayers): a `PendingInput` goes to the model's own norm, which fuses it, and is computed first for any other.
-    Engines replace the norms with their own (vLLM's Transformers backend swaps every module it recognises as an
-    RMSNorm) and must see the same function."""
-    if isinstance(hidden_states, PendingInput) and not isinstance(norm, AttnResRMSNorm):
+    sublayers): a `PendingInput` goes to the model's own norm, which fuses it, or is computed fused with the family's
+    norm where that is `fusable`, and is computed first for any other. Engines replace the norms with their own
+    (vLLM's Transformers backend swaps every module it recognises as an RMSNorm) and must see the same function."""
+    if isinstance(hidden_states, PendingInput):
+        if isinstance(norm, AttnResRMSNorm):
+            return norm(hidden_states)
+        normalized = fusable.normalized(norm, hidden_states) if fusable is not None else None
+        if normalized is not None:
+            return normalized
         hidden_states = hidden_states.value()
     return hidden_states if norm is None else norm(hidden_states)
 
@@ -330,6 +375,9 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 norm = self.module_at(sublayer.pre_norm) if sublayer.pre_norm is not None else None
                 if type(norm) is family.norm_class:  # at the norm's own eps: JetMoE's layers keep the class default
                     self.set_submodule(sublayer.pre_norm, AttnResRMSNorm(config.hidden_size, eps=norm.variance_epsilon))
+        # How the family's own pre-norms fuse on an fp32 stream, where they can (`FusableNorm`): one for them all.
+        pre_norms = [self.module_at(sublayer.pre_norm) for sublayer in self.sublayers if sublayer.pre_norm is not None]
+        self.fusable_norm = next(filter(None, (FusableNorm.of(family, norm) for norm in pre_norms)), None)
         self.residual_multiplier = None
         if family.residual_multiplier is not None:
             self.residual_multiplier = getattr(config, family.residual_multiplier)
@@ -450,7 +498,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
 
     def sublayer_input(self, sublayer: Sublayer, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
         """What the sublayer's module reads: the depth step's result through the sublayer's pre-norm, if it has one."""
-        return pre_norm(self.module_at(sublayer.pre_norm) if sublayer.pre_norm else None, hidden_states)
+        norm = self.module_at(sublayer.pre_norm) if sublayer.pre_norm else None
+        return pre_norm(norm, hidden_states, self.fusable_norm)
 
     def sublayer_output(
         self,
@@ -755,6 +804,7 @@ class AttnResModel(AttnResPreTrainedModel):
         else:
             norm = AttnResRMSNorm if family.llama_norm else family.norm_class
             self.norm = norm(config.hidden_size, eps=norm_eps(config))
+        self.fusable_norm = FusableNorm.of(family, self.norm)
         self.recorded_output = RecordedHiddenState()
         self.rotary_emb = family.rotary_embedding_of(config)
         self.gradient_checkpointing = False
@@ -873,11 +923,11 @@ class AttnResModel(AttnResPreTrainedModel):
         # Llama's does, so recording computes it there too.
         keeps_all = isinstance(logits_to_keep, int) and not 0 < logits_to_keep < inputs_embeds.shape[1]
         output_state = depth_state if keeps_all else depth_state.at_positions(logits_to_keep)
-        hidden_states = pre_norm(self.norm, self.output_residual(output_state, depth_context))
+        hidden_states = pre_norm(self.norm, self.output_residual(output_state, depth_context), self.fusable_norm)
         if record_inputs:
             recorded = hidden_states
             if not keeps_all:
-                recorded = pre_norm(self.norm, self.output_residual(depth_state, depth_context))
+                recorded = pre_norm(self.norm, self.output_residual(depth_state, depth_context), self.fusable_norm)
             self.recorded_output(recorded)
 
         return output_with_cache(MoeModelOutputWithPast, cache, last_hidden_state=hidden_states)

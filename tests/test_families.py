@@ -42,6 +42,7 @@ from attnres.conversion import ConversionError, ConversionReport, convert
 from attnres.conversion.architectures import REFUSED_MODEL_TYPES, attnres_config
 from attnres.conversion.sources import causal_lm_class
 from attnres.families import FAMILIES
+from attnres.modeling_attnres import FusableNorm
 from attnres.training import PROJECTION_TARGET_MODULES
 from attnres.transformers_compat import CACHE_NAME
 from conftest import max_diff, randomize_depth_parameters
@@ -85,6 +86,53 @@ def test_llama_norm_is_true_exactly_where_the_family_copies_llamas_rmsnorm(model
     family = FAMILIES[model_type]
     same_code = inspect.getsource(family.norm_class.forward) == inspect.getsource(LlamaRMSNorm.forward)
     assert family.llama_norm == same_code
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_norm_gain_offset_is_the_offset_of_the_gain_the_familys_norm_applies_in_fp32(case):
+    """A depth step's last phase is computed fused with the family's own norm on an fp32 stream where the family names
+    the offset of that norm's gain (`FusableNorm`): the norm must compute `(offset + w) * x * rsqrt(mean(x^2) + eps)`
+    to the bit in fp32, for that offset and not the other; a family without one has Llama's norm (fused as
+    `AttnResRMSNorm`), or a norm of another function or without a gain."""
+    family = FAMILIES[CASES[case][0]]
+    offsets = []
+    norms = [module for module in source_model(case).modules() if type(module) is family.norm_class]
+    if norms and not family.llama_norm and isinstance(getattr(norms[0], "weight", None), nn.Parameter):
+        norm = norms[0]
+        x = torch.randn(3, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        with torch.no_grad():
+            output = norm(x)
+            normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            offsets = [offset for offset in (0, 1) if torch.equal(output, (offset + norm.weight) * normalized)]
+    assert family.norm_gain_offset == (offsets[0] if offsets else None)
+
+
+@pytest.mark.parametrize("case", ["gemma3_text", "qwen3_next", "olmo2"])
+def test_the_familys_own_norm_is_fused_on_an_fp32_stream_only(converted, case, monkeypatch):
+    """Gemma's `1 + w` norm and OLMo 2's (the final norm: its sublayers read the stream unnormalised) multiply by their
+    gain before they round, so on an fp32 stream they are fused with the depth step in front of them (the module is
+    not called) and compute what the module computes on the step's result, within 1e-5; on a bf16 stream, where the
+    two forms round differently, the module reads the step's result."""
+    model = AutoModelForCausalLM.from_pretrained(converted[case, "block"][1]).eval()
+    randomize_depth_parameters(model)
+    norms = [layer.module_at(s.pre_norm) for layer in model.model.layers for s in layer.sublayers if s.pre_norm]
+    norms.append(model.model.norm)
+    assert {type(norm) for norm in norms} == {FAMILIES[model.config.family].norm_class}
+    calls = []
+    for norm in norms:
+        norm.register_forward_hook(lambda module, args, output: calls.append(module))
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        fused = model(ids, attention_mask=mask).logits
+        assert calls == []
+        monkeypatch.setattr(FusableNorm, "normalized", lambda self, norm, hidden_states: None)
+        assert max_diff(model(ids, attention_mask=mask).logits, fused) <= 1e-5
+        assert len(calls) == len(norms)
+        monkeypatch.undo()
+        calls.clear()
+        model.to(torch.bfloat16)(ids, attention_mask=mask)
+        assert len(calls) == len(norms)
 
 
 @pytest.mark.parametrize("case", ["stablelm", "starcoder2"])
@@ -663,7 +711,8 @@ def test_export_to_fla_refuses_other_families_in_one_line(converted, tmp_path, c
 @pytest.mark.parametrize("case", ["qwen3", "gemma3_text", "olmo2", "granite"])
 def test_depth_kernels_are_family_independent(converted, case, monkeypatch):
     """The fused CPU kernels and a torch.compile trace (one graph) compute what the PyTorch path does whatever norms
-    surround the steps: fused into a Llama-style norm (Qwen3, Granite), read by Gemma's own, or by no norm (OLMo 2)."""
+    surround the steps: fused into a Llama-style norm (Qwen3, Granite) or Gemma's own, or read by no norm (OLMo 2's
+    sublayers)."""
     model = AutoModelForCausalLM.from_pretrained(converted[case, "block"][1]).eval()
     randomize_depth_parameters(model)
     ids, mask = padded_batch()

@@ -472,7 +472,7 @@ class AttnResStage(nn.Module):
 
     def output(self, state: NamedTuple, context: DepthContext, router_logits: tuple[torch.Tensor, ...]):
         """The logits, and the load-balancing loss `[1]` where the model computes one."""
-        hidden_states = pre_norm(self.model.norm, self.model.output_residual(state, context))
+        hidden_states = pre_norm(self.model.norm, self.model.output_residual(state, context), self.model.fusable_norm)
         logits = family_logits(self.config, self.lm_head, hidden_states, self.prediction_head)
         if not self.layout.router_layers:
             return logits
