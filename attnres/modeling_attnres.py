@@ -491,6 +491,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         inside a module of its own (DBRX's `norm_attn_norm.attn`, `Sublayer.module`); `None` where the family's layer
         left it out for the config (Granite 4's MoE without experts). Plain attribute reads, which torch.compile
         traces as the one-name lookups they replace."""
+        if "." not in path:  # the common case, one lookup
+            return getattr(self, path, None)
         module = self
         for name in path.split("."):
             module = getattr(module, name, None)
@@ -633,7 +635,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             output = self.module_at(name)(output)
         if sublayer.dropout is not None:
             output = nn.functional.dropout(output, self.branch_dropouts[sublayer.dropout], self.training)
-        output = output.view(shape)
+        if output.shape != shape:
+            output = output.view(shape)
         return output if self.residual_multiplier is None else output * self.residual_multiplier
 
 

@@ -347,6 +347,7 @@ class AttnResStage(nn.Module):
         if self.is_last:
             self.model.output_residual = backbone.output_residual
             self.model.norm = backbone.norm
+            self.model.fusable_norm = backbone.fusable_norm
             self.lm_head = model.lm_head
             self.prediction_head = model.prediction_head
         # The microbatch the stage runs, which `CachingPipelineStage` sets around each forward; `None` outside them,
