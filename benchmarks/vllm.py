@@ -122,14 +122,15 @@ def quartiles(values: list[float]) -> list[float]:
     return statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
 
 
-def run_instance(mode: str, models: dict, names: list[str], args, work: Path, instance: int) -> dict:
+def run_instance(mode: str, models: dict, names: list[str], args, folder: Path) -> dict:
     """One instance of the engines `names` in `mode`: each started afresh (in a new process, with an empty compile
-    cache), then timed in `args.rounds` rounds per batch."""
+    cache in the instance's `folder`), then timed in `args.rounds` rounds per batch."""
     engines = {}
     try:
         for name in names:  # one at a time: each start-up (and compile) is timed alone
-            engines[name] = Engine(name, *models[name], mode, work / f"instance-{instance}")
-            print(f"[{mode} {instance}] {name} started in {engines[name].started['startup_seconds']:.1f} s", flush=True)
+            engines[name] = Engine(name, *models[name], mode, folder)
+            startup = engines[name].started["startup_seconds"]
+            print(f"[{mode} {folder.name}] {name} started in {startup:.1f} s", flush=True)
         for engine in engines.values():  # a warm-up call, outside the rounds, for every engine alike
             engine.generate(1, 4)
         samples = {}
@@ -162,8 +163,9 @@ def run_mode(mode: str, models: dict, names: list[str], args, work: Path) -> dic
     uncertainty. Start-up is the median over instances."""
     instances = []
     for instance in range(args.instances):
-        (work / f"instance-{instance}").mkdir(exist_ok=True)
-        instances.append(run_instance(mode, models, names, args, work, instance))
+        folder = work / f"instance-{instance}"
+        folder.mkdir(exist_ok=True)
+        instances.append(run_instance(mode, models, names, args, folder))
     pairs = [(name, baseline) for name in names for baseline in BASELINES if baseline in names and name != baseline]
     by_batch = {}
     for batch in map(str, args.batches):

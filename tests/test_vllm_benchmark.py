@@ -24,8 +24,9 @@ def test_instances_pool_their_rounds_and_keep_each_median(monkeypatch, tmp_path)
     }
     startups = {0: {"llama-native": 60.0, "attnres-native": 70.0}, 1: {"llama-native": 62.0, "attnres-native": 80.0}}
 
-    def run_instance(mode, models, names, args, work, instance):
-        assert (work / f"instance-{instance}").is_dir()  # each instance's engines get caches of their own
+    def run_instance(mode, models, names, args, folder):
+        assert folder.is_dir() and folder.parent == tmp_path  # each instance's engines get caches of their own
+        instance = int(folder.name.removeprefix("instance-"))
         return dict(
             startup_seconds=startups[instance],
             dynamo_after_startup={},
