@@ -253,9 +253,12 @@ def test_gain_of_another_dtype_takes_the_pytorch_path():
         assert torch.equal(out, two_phase_torch.phase1_rms_norm(*args))
 
 
-# Gemma 3's pre-norms are its own (`1 + w`): its Block steps after a block's first run phase 2 alone (`cpu.phase2`),
-# Llama's fused with its norm (Full AttnRes has no phase 2).
-@pytest.mark.parametrize("residual_mode, family", [("block", "llama"), ("full", "llama"), ("block", "gemma3_text")])
+# Llama's steps fused with its norm (Full AttnRes has no phase 2), Gemma 3's with its own `1 + w` norm on this fp32
+# stream (the gain's offset differentiated through), OLMo 2's sublayers, which read no pre-norm, running phase 2
+# alone (`cpu.phase2`).
+@pytest.mark.parametrize(
+    "residual_mode, family", [("block", "llama"), ("full", "llama"), ("block", "gemma3_text"), ("block", "olmo2")]
+)
 def test_model_on_cpu_kernels_matches_pytorch_path(residual_mode, family, monkeypatch):
     """Logits and every parameter's gradient, and greedy decoding with the KV cache, against `two_phase_torch`."""
     model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode, family=family))
@@ -350,11 +353,13 @@ def test_operators_compute_what_the_kernels_compute(dtype):
 
 # What each model's steps call besides phase 1 (`close_block`, and for the output step `append_inverse_rms` and
 # `phase1`): the first step of a block its pre-norm fused with phase 1's row, the others phase 2 fused with it (Full
-# has none), or, where the pre-norm is the family's own (Gemma's), phase 2 alone.
+# has none), Gemma's `1 + w` norm too on this fp32 stream (`FusableNorm`), or, where a sublayer reads the step's
+# result without a norm (OLMo 2's), phase 2 alone, the output step's (final) norm still fused.
 COMPILED_OPERATORS = [
     ("block", "llama", False, {"phase1_rms_norm", "phase2_rms_norm"}),
     ("full", "llama", False, {"phase1_rms_norm"}),
-    ("block", "gemma3_text", True, {"phase2"}),
+    ("block", "gemma3_text", True, {"phase1_rms_norm", "phase2_rms_norm"}),
+    ("block", "olmo2", True, {"phase1_rms_norm", "phase2"}),
 ]
 
 
@@ -362,8 +367,9 @@ COMPILED_OPERATORS = [
 def test_compiled_inference_calls_the_kernels_as_operators(residual_mode, family, retrofit, expected, monkeypatch):
     """Compiled without autograd (vLLM's compiled model, compiled decoding), the graph calls the kernels as the
     dispatcher's operators and computes the eager model's logits bit for bit (the graph run as traced); a graph that
-    records gradients runs `two_phase_torch`, as the operators have no autograd formula. Gemma 3 under an exact
-    retrofit: phase 2 alone, with output scales."""
+    records gradients runs `two_phase_torch`, as the operators have no autograd formula. Under an exact retrofit
+    (output scales): Gemma 3's fused norms fold them into their eps, OLMo 2's unnormalised sublayers read them through
+    phase 2 alone."""
     monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "cpu")
     model = AttnResForCausalLM(tiny_config(residual_mode=residual_mode, family=family, exact_retrofit=retrofit))
     randomize_depth_parameters(model)
