@@ -114,7 +114,7 @@ class FusableNorm(NamedTuple):
         weight = norm.weight
         if weight.device != hidden_states.inputs[0].device:
             return None
-        gain = as_float32(weight)
+        gain = as_float32(weight)  # the norm's own fp32 gain, in the stream's dtype, as the fused kernels take it
         if self.gain_offset:
             gain = gain + self.gain_offset
         return hidden_states.normalized(gain, getattr(norm, self.eps_name))
