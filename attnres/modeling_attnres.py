@@ -347,6 +347,20 @@ class RecordedHiddenState(nn.Module):
         return hidden_states.value() if isinstance(hidden_states, PendingInput) else hidden_states
 
 
+class LayerInputs(NamedTuple):
+    """What the model gives every sublayer of a decoder layer besides its input: the mask (one per kind where the
+    layer has several), the rotary position embeddings, the position ids, the cache, an ALiBi bias, what the layers'
+    attentions pass on (`AttnResDecoderLayer.forward`'s `threaded`) and the keywords the family's modules take."""
+
+    attention_mask: torch.Tensor | dict | None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    position_ids: torch.LongTensor | None
+    cache: Cache | None
+    attention_bias: torch.Tensor | None
+    threaded: dict | None
+    kwargs: dict
+
+
 class AttnResDecoderLayer(GradientCheckpointingLayer):
     """The family's sublayers of one decoder layer, each behind its own depth-mixing module: its token mixer
     (attention, or a hybrid's linear attention) behind `attn_residual` and its MLP or MoE behind `mlp_residual`, or,
@@ -436,7 +450,6 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         *tensors, layout = super().__call__(*tensors, depth_layout=layout, **kwargs)
         return layout.unflatten(tensors)
 
-    @accepts_past_key_values
     def forward(
         self,
         *depth_state: tuple | torch.Tensor | None,
@@ -464,22 +477,18 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             # the state's fp32 statistics too: they are computed again from the blocks, as a pipeline stage resumes
             # a state, and each step runs phase 1 for its own query (docs/training.md#mixed-precision).
             state, _ = depth_mixers[0].resumed_state(state.blocks, state.partial, None)
-        inputs = dict(
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-            cache=cache,
-            attention_bias=attention_bias,
-            threaded=threaded,
-            kwargs=kwargs,
-        )
+        inputs = LayerInputs(attention_mask, position_embeddings, position_ids, cache, attention_bias, threaded, kwargs)
         for index, (sublayer, summands, mixer) in enumerate(zip(self.sublayers, self.summands, depth_mixers)):
             hidden_states = mixer(state, depth_context)
             if index == 0 and depth_context.record_inputs:
                 self.recorded_input(hidden_states)
-            sublayer_input = self.sublayer_input(sublayer, hidden_states)
-            output = self.sublayer_output(summands, sublayer_input, **inputs)
-            output = self.branch_output(sublayer, output, sublayer_input.shape, attention_mask, cache)
+            norm = self.module_at(sublayer.pre_norm) if sublayer.pre_norm else None
+            sublayer_input = pre_norm(norm, hidden_states, self.fusable_norm)
+            if len(summands) == 1:  # one module, as in most families
+                output = self.module_output(summands[0], sublayer_input, inputs)
+            else:
+                output = self.summed_output(summands, sublayer_input, inputs)
+            output = self.branch_output(sublayer, output, sublayer_input.shape, inputs)
             state = mixer.absorb(output, state, depth_context)
         if depth_layout is None:
             return state
@@ -498,84 +507,52 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             module = getattr(module, name, None)
         return module
 
-    def sublayer_input(self, sublayer: Sublayer, hidden_states: torch.Tensor | PendingInput) -> torch.Tensor:
-        """What the sublayer's module reads: the depth step's result through the sublayer's pre-norm, if it has one."""
-        norm = self.module_at(sublayer.pre_norm) if sublayer.pre_norm else None
-        return pre_norm(norm, hidden_states, self.fusable_norm)
-
-    def sublayer_output(
-        self,
-        summands: tuple[Sublayer, ...],
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        position_ids: torch.LongTensor | None,
-        cache: Cache | None,
-        attention_bias: torch.Tensor | None,
-        threaded: dict | None,
-        kwargs: dict,
+    def summed_output(
+        self, summands: tuple[Sublayer, ...], hidden_states: torch.Tensor, inputs: LayerInputs
     ) -> torch.Tensor:
-        """The sublayer's module called as the family's decoder layer calls it (`Sublayer.call`):
-        attention with the position embeddings or the family's attention bias and its mask, a recurrent mixer with its
-        padding mask, both with the cache; an MLP or MoE on the hidden states alone; a zero residual where the module
-        adds one itself (`Sublayer.residual_argument`). With modules summed beside it (`Sublayer.summands`), the sum
-        of their outputs in order, of those the family's layer built, each called its own way, on its kind of mask
-        where the layer has several (`Sublayer.mask`; an attention given the padding mask too where the family's reads
-        it, `Sublayer.padding_mask`), its input and output times the family's multipliers."""
-        outputs = []
-        for part in summands:
-            module = self.module_at(part.module)
-            if module is None:
-                continue
-            mask = attention_mask[part.mask] if part.mask is not None else attention_mask
-            part_kwargs = kwargs
-            if part.padding_mask is not None and part.call == ATTENTION:
-                part_kwargs = dict(kwargs, **{part.padding_mask: attention_mask["linear_attention"]})
-            inputs = hidden_states
-            if part.input_multiplier is not None:
-                inputs = inputs * self.multipliers[part.input_multiplier]
-            output = self.module_output(
-                part,
-                module,
-                inputs,
-                mask,
-                position_embeddings,
-                position_ids,
-                cache,
-                attention_bias,
-                threaded,
-                part_kwargs,
-            )
-            if part.output_multiplier is not None:
-                output = output * self.multipliers[part.output_multiplier]
-            outputs.append(output)
+        """The sum of the outputs of a branch's modules (`Sublayer.summands`), in order, of those the family's layer
+        built (Granite 4's MoE without experts is skipped, as its layer skips it)."""
+        outputs = [self.module_output(part, hidden_states, inputs) for part in summands]
+        outputs = [output for output in outputs if output is not None]
         return sum(outputs[1:], outputs[0])
 
     def module_output(
-        self,
-        sublayer: Sublayer,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        position_ids: torch.LongTensor | None,
-        cache: Cache | None,
-        attention_bias: torch.Tensor | None,
-        threaded: dict | None,
-        kwargs: dict,
-    ) -> torch.Tensor:
-        """One module of `sublayer` called as the sublayer says (`sublayer_output`), given what the previous layer's
-        threaded to it (`Sublayer.threaded`) and keeping what it threads on."""
+        self, part: Sublayer, hidden_states: torch.Tensor, inputs: LayerInputs
+    ) -> torch.Tensor | tuple | None:
+        """One module of a branch called as the family's decoder layer calls it (`Sublayer.call`), `None` where the
+        family's layer left it out: attention with the position embeddings or the family's attention bias and its
+        mask, a recurrent mixer with its padding mask, both with the cache; an MLP or MoE on the hidden states alone;
+        a zero residual where the module adds one itself (`Sublayer.residual_argument`). It reads its kind of mask
+        where the layer has several (`Sublayer.mask`; an attention is given the padding mask too where the family's
+        reads it, `Sublayer.padding_mask`), its input and output are multiplied by the family's multipliers, and it
+        is given what the previous layer's threaded to it (`Sublayer.threaded`), keeping what it threads on."""
+        module = self.module_at(part.module)
+        if module is None:
+            return None
+        if part.input_multiplier is not None:
+            hidden_states = hidden_states * self.multipliers[part.input_multiplier]
+        output = self.call_module(part, module, hidden_states, inputs)
+        if part.output_multiplier is not None:
+            output = output * self.multipliers[part.output_multiplier]
+        return output
+
+    def call_module(
+        self, part: Sublayer, module: nn.Module, hidden_states: torch.Tensor, inputs: LayerInputs
+    ) -> torch.Tensor | tuple:
+        """`module`'s output, called as `part.call` says (`module_output`)."""
         # A zero tensor of no dimensions: it broadcasts, and adds nothing.
-        residual = {sublayer.residual_argument: hidden_states.new_zeros(())} if sublayer.residual_argument else {}
-        if sublayer.call == FEED_FORWARD:
+        residual = {part.residual_argument: hidden_states.new_zeros(())} if part.residual_argument else {}
+        if part.call == FEED_FORWARD:
             return module(hidden_states, **residual)
-        if sublayer.call == RECURRENT:
+        attention_mask, cache, kwargs = inputs.attention_mask, inputs.cache, inputs.kwargs
+        if part.mask is not None:
+            attention_mask = attention_mask[part.mask]
+        if part.call == RECURRENT:
             if self.recurrent_keywords is not None:
                 kwargs = {name: value for name, value in kwargs.items() if name in self.recurrent_keywords}
             cache_argument = {self.recurrent_cache_name: cache}
             return module(hidden_states=hidden_states, attention_mask=attention_mask, **cache_argument, **kwargs)
-        if sublayer.call == STATEFUL:
+        if part.call == STATEFUL:
             # The layer's state in the family's own cache, overwritten in place with the one the module returns, as the
             # family's model does (xLSTM's).
             state = getattr(cache, self.cache_states)[self.layer_idx] if cache is not None else None
@@ -584,32 +561,33 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 for held, new in zip(state, new_state):
                     held.copy_(new)
             return output
-        if position_embeddings is not None or sublayer.module in self.declares_position_embeddings:
-            kwargs = dict(kwargs, position_embeddings=position_embeddings)
-        if attention_bias is not None:  # ALiBi (MPT, BLOOM), under the family's keyword
-            kwargs = dict(kwargs, **{self.attention_bias_keyword: attention_bias})
-        if sublayer.threaded is not None:
-            kwargs = dict(kwargs, **{sublayer.threaded: threaded.get(self.layer_idx - 1)})
+        kwargs = dict(kwargs, attention_mask=attention_mask, position_ids=inputs.position_ids)
+        kwargs[part.cache_argument or CACHE_NAME] = cache
+        if inputs.position_embeddings is not None or part.module in self.declares_position_embeddings:
+            kwargs["position_embeddings"] = inputs.position_embeddings
+        if part.padding_mask is not None:
+            kwargs[part.padding_mask] = inputs.attention_mask["linear_attention"]
+        if inputs.attention_bias is not None:  # ALiBi (MPT, BLOOM), under the family's keyword
+            kwargs[self.attention_bias_keyword] = inputs.attention_bias
+        threaded = inputs.threaded
+        if part.threaded is not None:
+            kwargs[part.threaded] = threaded.get(self.layer_idx - 1)
         for keyword, shared in self.shared_per_forward.items():
             if keyword not in threaded:
                 threaded[keyword] = shared()
-            kwargs = dict(kwargs, **{keyword: threaded[keyword]})
+            kwargs[keyword] = threaded[keyword]
         # The input under the keyword the family's layer passes it by (under each of CTRL's three), or by position
         # (RecurrentGemma's).
-        keywords = sublayer.input_argument or ()
-        named_input = dict.fromkeys((keywords,) if isinstance(keywords, str) else keywords, hidden_states)
-        outputs = module(
-            *(() if named_input else (hidden_states,)),
-            **named_input,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **{sublayer.cache_argument or CACHE_NAME: cache},
-            **residual,
-            **kwargs,
-        )
-        if sublayer.threaded is not None:
+        keywords = part.input_argument
+        if keywords is None:
+            outputs = module(hidden_states, **residual, **kwargs)
+        else:
+            for keyword in (keywords,) if isinstance(keywords, str) else keywords:
+                kwargs[keyword] = hidden_states
+            outputs = module(**residual, **kwargs)
+        if part.threaded is not None:
             threaded[self.layer_idx] = outputs[2]
-        bias = outputs[sublayer.output_bias] if sublayer.output_bias is not None else None
+        bias = outputs[part.output_bias] if part.output_bias is not None else None
         return outputs[0] if bias is None else outputs[0] + bias
 
     def branch_output(
@@ -617,8 +595,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         sublayer: Sublayer,
         output: torch.Tensor | tuple,
         shape: torch.Size,
-        attention_mask: torch.Tensor | dict | None = None,
-        cache: Cache | None = None,
+        inputs: LayerInputs,
     ) -> torch.Tensor:
         """The sublayer's output v_l as it joins the stream: the module's first output where it returns more (GPT-OSS's
         and Llama 4's MoE return their router scores or logits beside it), through the family's short convolution of
@@ -629,8 +606,8 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
         if isinstance(output, tuple):
             output = output[0]
         if sublayer.convolution is not None:
-            padding_mask = {sublayer.padding_mask: attention_mask["linear_attention"]}
-            output = self.module_at(sublayer.convolution)(output, **{CACHE_NAME: cache}, **padding_mask)
+            padding_mask = {sublayer.padding_mask: inputs.attention_mask["linear_attention"]}
+            output = self.module_at(sublayer.convolution)(output, **{CACHE_NAME: inputs.cache}, **padding_mask)
         for name in sublayer.post:
             output = self.module_at(name)(output)
         if sublayer.dropout is not None:
