@@ -299,10 +299,11 @@ std::vector<at::Tensor> phase2(
 }
 
 // `two_phase.phase1` over the completed blocks given separately, with the softmax weights and raw scores its
-// backward pass reuses: `(blocks_inv_rms, lse [S, *tokens], weights [N, S, *tokens], raw [N, S, *tokens], obar_0,
+// backward pass reuses: `(blocks_inv_rms, lse [S, *tokens], weights [*tokens, N, S], raw [*tokens, N, S], obar_0,
 // ..., obar_{S-1})`. `obar` comes as S separate `[*tokens, D]` rows, one per query: each row is read by one sublayer's
 // step, so each step's gradient arrives in the backward pass as a row of its own, not scattered into a zero-filled
-// `[S, *tokens, D]` that autograd would then sum over the S steps.
+// `[S, *tokens, D]` that autograd would then sum over the S steps. `weights` and `raw` are token-major, so that a
+// token's N x S scores are written and read together, not N x S values a row of tokens apart.
 //
 // With `append_eps`, `blocks_inv_rms` holds the inverse RMS of all blocks but the newest (`[N - 1, *tokens]`): phase 1
 // computes the newest one's (`append_inverse_rms` with that eps) from the rows it reads anyway and returns
@@ -338,10 +339,12 @@ std::vector<at::Tensor> phase1(
   }
   const auto queries_c = queries.contiguous();
   const auto token_shape = first.sizes().slice(0, first.dim() - 1);
-  std::vector<int64_t> inv_rms_shape{num_blocks}, lse_shape{num_queries}, score_shape{num_blocks, num_queries};
-  for (auto* shape : {&inv_rms_shape, &lse_shape, &score_shape}) {
+  std::vector<int64_t> inv_rms_shape{num_blocks}, lse_shape{num_queries};
+  for (auto* shape : {&inv_rms_shape, &lse_shape}) {
     shape->insert(shape->end(), token_shape.begin(), token_shape.end());
   }
+  std::vector<int64_t> score_shape(token_shape.begin(), token_shape.end());
+  score_shape.insert(score_shape.end(), {num_blocks, num_queries});
   const auto fp32 = first.options().dtype(at::kFloat);
   at::Tensor inv_rms_c = blocks_inv_rms.contiguous();
   if (appends) {
@@ -383,7 +386,7 @@ std::vector<at::Tensor> phase1(
             dots<G>(rows[n], query_rows.data() + first, hidden, scores.data());
             for (int64_t g = 0; g < G; ++g) {
               const int64_t s = first + g;
-              if (for_backward) raw_p[(n * num_queries + s) * tokens + t] = scores[g];
+              if (for_backward) raw_p[(t * num_blocks + n) * num_queries + s] = scores[g];
               logits[s * num_blocks + n] = scores[g] * inv_rms_p[n * tokens + t];
             }
           });
@@ -399,7 +402,7 @@ std::vector<at::Tensor> phase1(
           lse_p[s * tokens + t] = peak + std::log(total);
           for (int64_t n = 0; n < num_blocks; ++n) {
             logit[n] /= total;
-            if (for_backward) weights_p[(n * num_queries + s) * tokens + t] = logit[n];
+            if (for_backward) weights_p[(t * num_blocks + n) * num_queries + s] = logit[n];
           }
           out[s] = obar_p[s] + t * hidden;
         }
@@ -573,14 +576,14 @@ std::vector<at::Tensor> phase1_backward(
             dots<G>(rows[n], go.data() + first, hidden, row_dots + first);
           });
           for (int64_t s = 0; s < num_queries; ++s) {
-            delta[s] += weights_p[(n * num_queries + s) * tokens + t] * row_dots[s];
+            delta[s] += weights_p[(t * num_blocks + n) * num_queries + s] * row_dots[s];
           }
         }
         for (int64_t n = 0; n < num_blocks; ++n) {
           const float r = inv_rms_p[n * tokens + t];
           float grad_r = 0.f;
           for (int64_t s = 0; s < num_queries; ++s) {
-            const int64_t score = (n * num_queries + s) * tokens + t;
+            const int64_t score = (t * num_blocks + n) * num_queries + s;
             p[s] = weights_p[score];
             const float ds = p[s] * (go_dots[n * num_queries + s] - delta[s] + gl_p[s * tokens + t]);
             grad_r += ds * raw_p[score];
