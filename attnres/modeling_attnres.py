@@ -484,10 +484,7 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
                 self.recorded_input(hidden_states)
             norm = self.module_at(sublayer.pre_norm) if sublayer.pre_norm else None
             sublayer_input = pre_norm(norm, hidden_states, self.fusable_norm)
-            if len(summands) == 1:  # one module, as in most families
-                output = self.module_output(summands[0], sublayer_input, inputs)
-            else:
-                output = self.summed_output(summands, sublayer_input, inputs)
+            output = self.sublayer_output(summands, sublayer_input, inputs)
             output = self.branch_output(sublayer, output, sublayer_input.shape, inputs)
             state = mixer.absorb(output, state, depth_context)
         if depth_layout is None:
@@ -507,11 +504,12 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
             module = getattr(module, name, None)
         return module
 
-    def summed_output(
+    def sublayer_output(
         self, summands: tuple[Sublayer, ...], hidden_states: torch.Tensor, inputs: LayerInputs
-    ) -> torch.Tensor:
-        """The sum of the outputs of a branch's modules (`Sublayer.summands`), in order, of those the family's layer
-        built (Granite 4's MoE without experts is skipped, as its layer skips it)."""
+    ) -> torch.Tensor | tuple:
+        """The output of the sublayer's module, or the sum of the outputs of the modules its branch sums
+        (`Sublayer.summands`), in order, of those the family's layer built (Granite 4's MoE without experts is
+        skipped, as its layer skips it)."""
         outputs = [self.module_output(part, hidden_states, inputs) for part in summands]
         outputs = [output for output in outputs if output is not None]
         return sum(outputs[1:], outputs[0])
