@@ -68,9 +68,9 @@ class PendingInput(NamedTuple):
         """`k * h` itself."""
         return self.compute(*self.inputs, scale=self.scale_tensor)
 
-    def normalized(self, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-        """`norm_weight * RMSNorm(k * h)` with the norm's eps."""
-        return self.compute_and_norm(*self.inputs, norm_weight, norm_eps / self.scale**2)
+    def normalized(self, norm_weight: torch.Tensor, norm_eps: float, gain_offset: float = 0.0) -> torch.Tensor:
+        """`(norm_weight + gain_offset) * RMSNorm(k * h)` with the norm's eps."""
+        return self.compute_and_norm(*self.inputs, norm_weight, norm_eps / self.scale**2, gain_offset)
 
 
 class DepthQuery(nn.Module):

@@ -117,12 +117,19 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * normed.to(hidden.dtype)
 
 
+def norm_gain(norm_weight: torch.Tensor, gain_offset: float) -> torch.Tensor:
+    """The gain `norm_weight + gain_offset` of a norm whose weight is stored relative to an offset (Gemma's `1 + w`,
+    `modeling_attnres.FusableNorm`): the weight itself, without an operation, where the offset is 0."""
+    return norm_weight + gain_offset if gain_offset else norm_weight
+
+
 def phase1_rms_norm(
-    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float
+    obar: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor, norm_eps: float, gain_offset: float = 0.0
 ) -> torch.Tensor:
     """The input of a block's first sublayer, normalised: with no partial sum yet, phase 1 is the whole softmax, so
-    `h` is phase 1's row `obar` (fp32) in the model `dtype`, followed by the sublayer's RMSNorm (`rms_norm`)."""
-    return rms_norm(cast(obar, dtype), norm_weight, norm_eps)
+    `h` is phase 1's row `obar` (fp32) in the model `dtype`, followed by the sublayer's RMSNorm (`rms_norm`, gain
+    `norm_weight + gain_offset`)."""
+    return rms_norm(cast(obar, dtype), norm_gain(norm_weight, gain_offset), norm_eps)
 
 
 def phase2_rms_norm(
@@ -133,7 +140,8 @@ def phase2_rms_norm(
     eps: float,
     norm_weight: torch.Tensor,
     norm_eps: float,
+    gain_offset: float = 0.0,
 ) -> torch.Tensor:
-    """`phase2` followed by the RMSNorm (gain `norm_weight`, eps `norm_eps`) of the sublayer that reads its result:
-    what the fused Triton kernel computes, without writing the sublayer input `h` to memory."""
-    return rms_norm(phase2(obar, lse, partial, query, eps), norm_weight, norm_eps)
+    """`phase2` followed by the RMSNorm (gain `norm_weight + gain_offset`, eps `norm_eps`) of the sublayer that reads
+    its result: what the fused kernels compute, without writing the sublayer input `h` to memory."""
+    return rms_norm(phase2(obar, lse, partial, query, eps), norm_gain(norm_weight, gain_offset), norm_eps)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .two_phase import as_float32, cast, inverse_rms
+from .two_phase import as_float32, cast, inverse_rms, norm_gain
 from .two_phase import phase1_rms_norm as phase1_rms_norm  # the reference's ops are already what the model runs
 
 
@@ -257,8 +257,10 @@ def phase2_rms_norm(
     eps: float,
     norm_weight: torch.Tensor,
     norm_eps: float,
+    gain_offset: float = 0.0,
 ) -> torch.Tensor:
     """`two_phase.phase2_rms_norm`: phase 2 fused with the RMSNorm of the sublayer that reads its result."""
+    norm_weight = norm_gain(norm_weight, gain_offset)
     if differentiating(obar, lse, partial, query, norm_weight):
         return _Phase2RMSNorm.apply(obar, lse, partial, query, eps, norm_weight, norm_eps)
     return _phase2_rms_norm_forward(obar, lse, partial, query, eps, norm_weight, norm_eps)[0]

@@ -253,6 +253,37 @@ def test_gain_of_another_dtype_takes_the_pytorch_path():
         assert torch.equal(out, two_phase_torch.phase1_rms_norm(*args))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gain_offset_is_added_to_the_weight(dtype):
+    """The fused norms' `gain_offset` (Gemma's and Qwen3-Next's `1 + w`, `FusableNorm`), which the kernels add to the
+    weight row themselves, computes what the kernel given the gain `norm_weight + gain_offset` computes, bit for bit,
+    forward and backward, in every form: with autograd, without, and as the dispatcher's operators. The gradient of
+    the weight is the gain's (the offset's derivative is 1)."""
+    obar, lse, partial, query, norm_weight = phase2_inputs((70,), 36, dtype)
+    norm_weight = norm_weight - 1  # stored relative to the offset, as Gemma's
+    grad = torch.randn(70, 36).to(dtype)
+    forms = (cpu.implementations(differentiable=False), cpu.operators())
+    cases = [
+        (cpu.phase2_rms_norm, (obar, lse, partial, query), (EPS,), [form["phase2_rms_norm"] for form in forms]),
+        (cpu.phase1_rms_norm, (obar,), (dtype,), [form["phase1_rms_norm"] for form in forms]),
+    ]
+    for operation, inputs, fixed, inference_forms in cases:
+
+        def with_offset(*leaves):
+            return operation(*leaves[:-1], *fixed, leaves[-1], NORM_EPS, 1.0)
+
+        def with_gain(*leaves):
+            return operation(*leaves[:-1], *fixed, leaves[-1] + 1.0, NORM_EPS)
+
+        (out, *_), grads = run_with_grads(with_offset, (*inputs, norm_weight), (grad,))
+        (expected, *_), expected_grads = run_with_grads(with_gain, (*inputs, norm_weight), (grad,))
+        assert torch.equal(out, expected)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+        with torch.no_grad():
+            for form in inference_forms:
+                assert torch.equal(form(*inputs, *fixed, norm_weight, NORM_EPS, 1.0), expected)
+
+
 # Llama's steps fused with its norm (Full AttnRes has no phase 2), Gemma 3's with its own `1 + w` norm on this fp32
 # stream (the gain's offset differentiated through), OLMo 2's sublayers, which read no pre-norm, running phase 2
 # alone (`cpu.phase2`).
@@ -325,11 +356,13 @@ def operation_cases(dtype: torch.dtype) -> list[tuple[str, tuple, tuple | None]]
         ("phase2", (*phase2_args, None)),
         ("phase2", (*phase2_args, torch.tensor(3.0))),
         ("phase2_rms_norm", (*phase2_args, norm_weight, NORM_EPS)),
+        ("phase2_rms_norm", (*phase2_args, norm_weight, NORM_EPS, 1.0)),
         ("append_inverse_rms", (blocks_inv_rms, blocks[0], EPS)),
     ]
     cases = [(name, args, args) for name, args in cases]
     # the operator takes the output dtype from the gain
     cases.append(("phase1_rms_norm", (obar, dtype, norm_weight, NORM_EPS), (obar, norm_weight, NORM_EPS)))
+    cases.append(("phase1_rms_norm", (obar, dtype, norm_weight, NORM_EPS, 1.0), (obar, norm_weight, NORM_EPS, 1.0)))
     if dtype != torch.float32:
         cases.append(("phase2_rms_norm", (*phase2_args, norm_weight.float(), NORM_EPS), None))
         cases.append(("phase1_rms_norm", (obar, dtype, norm_weight.float(), NORM_EPS), None))

@@ -105,6 +105,18 @@ const float* fp32_row(const scalar_t* row, int64_t n, float* scratch) {
   }
 }
 
+// A norm's gain `w + offset` as fp32, rounded to w's dtype as torch's `w + offset` is: the family's norm (Gemma's
+// `1 + w`) computed from its own weight, where adding the offset before the call would be one more operation per
+// sublayer and token (`modeling_attnres.FusableNorm`).
+template <typename scalar_t>
+const float* gain_row(const scalar_t* weight, int64_t n, float offset, float* scratch) {
+  if (offset == 0.f) return fp32_row(weight, n, scratch);
+  for (int64_t i = 0; i < n; ++i) {
+    scratch[i] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(weight[i]) + offset));
+  }
+  return scratch;
+}
+
 // Phase 2's merge `h = obar + gate (P - obar)` of one token, with torch.lerp's formula (exact at both ends).
 void merge(const float* obar, const float* partial, float gate, int64_t n, float* h) {
   for (int64_t i = 0; i < n; ++i) {
@@ -228,9 +240,10 @@ at::Tensor append_inverse_rms(const at::Tensor& blocks_inv_rms, const at::Tensor
 
 // Phase 2 (docs/design.md §6) and the per-token scalars its backward pass reuses: `(out, stats)`, with `stats`
 // `[4, *tokens]` fp32 holding (gate, raw, inv_rms, norm_inv_rms). With `norm_weight`, `two_phase.phase2_rms_norm`:
-// `h` normalised by the sublayer's RMSNorm (gain `norm_weight`, eps `norm_eps`). Without, `two_phase.phase2`: the input
-// `k * h` itself (k = `scale`, the step's output scale), for a sublayer whose pre-norm is the family's own (Gemma's
-// `1 + w`, a LayerNorm); `norm_inv_rms` is then not written.
+// `h` normalised by the sublayer's RMSNorm (gain `norm_weight + gain_offset`, eps `norm_eps`). Without,
+// `two_phase.phase2`: the input `k * h` itself (k = `scale`, the step's output scale), for a sublayer whose pre-norm
+// is the family's own and not fused (Gemma's `1 + w` on a bf16 stream, a LayerNorm); `norm_inv_rms` is then not
+// written.
 std::vector<at::Tensor> phase2(
     const at::Tensor& obar,
     const at::Tensor& lse,
@@ -239,6 +252,7 @@ std::vector<at::Tensor> phase2(
     double eps,
     const std::optional<at::Tensor>& norm_weight,
     double norm_eps,
+    double gain_offset,
     double scale) {
   check_fp32(obar, "obar");
   check_fp32(lse, "lse");
@@ -260,7 +274,7 @@ std::vector<at::Tensor> phase2(
   stats_shape.insert(stats_shape.end(), token_shape.begin(), token_shape.end());
   auto stats = at::empty(stats_shape, partial.options().dtype(at::kFloat));
   const float eps_f = static_cast<float>(eps), norm_eps_f = static_cast<float>(norm_eps);
-  const float scale_f = static_cast<float>(scale);
+  const float scale_f = static_cast<float>(scale), offset_f = static_cast<float>(gain_offset);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2", [&] {
     const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
@@ -275,7 +289,7 @@ std::vector<at::Tensor> phase2(
     float* norm_inv_rms_p = inv_rms_p + tokens;
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden), hidden_row(hidden), weight(hidden);
-      const float* w = normalizes ? fp32_row(weight_p, hidden, weight.data()) : nullptr;
+      const float* w = normalizes ? gain_row(weight_p, hidden, offset_f, weight.data()) : nullptr;
       float* h = hidden_row.data();
       for (int64_t t = begin; t < end; ++t) {
         const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
@@ -430,9 +444,10 @@ void for_each_chunk(int64_t tokens, int64_t chunks, const Body& body) {
   });
 }
 
-// `two_phase.phase1_rms_norm`: the RMSNorm (gain `norm_weight`, output in its dtype) of phase 1's fp32 rows `obar`
-// `[*tokens, D]`, the input of a block's first sublayer; `(out, norm_inv_rms [*tokens])`.
-std::vector<at::Tensor> phase1_rms_norm(const at::Tensor& obar, const at::Tensor& norm_weight, double norm_eps) {
+// `two_phase.phase1_rms_norm`: the RMSNorm (gain `norm_weight + gain_offset`, output in its dtype) of phase 1's fp32
+// rows `obar` `[*tokens, D]`, the input of a block's first sublayer; `(out, norm_inv_rms [*tokens])`.
+std::vector<at::Tensor> phase1_rms_norm(
+    const at::Tensor& obar, const at::Tensor& norm_weight, double norm_eps, double gain_offset) {
   check_fp32(obar, "obar");
   const int64_t hidden = obar.size(-1);
   const int64_t tokens = obar.numel() / hidden;
@@ -440,7 +455,7 @@ std::vector<at::Tensor> phase1_rms_norm(const at::Tensor& obar, const at::Tensor
   const auto obar_c = obar.contiguous(), weight_c = norm_weight.contiguous();
   auto out = at::empty(obar.sizes(), obar.options().dtype(norm_weight.scalar_type()));
   auto norm_inv_rms = at::empty(obar.sizes().slice(0, obar.dim() - 1), obar.options());
-  const float norm_eps_f = static_cast<float>(norm_eps);
+  const float norm_eps_f = static_cast<float>(norm_eps), offset_f = static_cast<float>(gain_offset);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, norm_weight.scalar_type(), "phase1_rms_norm", [&] {
     const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
@@ -449,7 +464,7 @@ std::vector<at::Tensor> phase1_rms_norm(const at::Tensor& obar, const at::Tensor
     float* norm_inv_rms_p = norm_inv_rms.data_ptr<float>();
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> weight(hidden);
-      const float* w = fp32_row(weight_p, hidden, weight.data());
+      const float* w = gain_row(weight_p, hidden, offset_f, weight.data());
       for (int64_t t = begin; t < end; ++t) {
         norm_inv_rms_p[t] = normalize(obar_p + t * hidden, w, hidden, norm_eps_f, out_p + t * hidden);
       }
@@ -463,7 +478,8 @@ std::vector<at::Tensor> phase1_rms_norm_backward(
     const at::Tensor& grad_out,
     const at::Tensor& obar,
     const at::Tensor& norm_weight,
-    const at::Tensor& norm_inv_rms) {
+    const at::Tensor& norm_inv_rms,
+    double gain_offset) {
   const int64_t hidden = obar.size(-1);
   const int64_t tokens = obar.numel() / hidden;
   const auto go_c = grad_out.to(norm_weight.scalar_type()).contiguous(), obar_c = obar.contiguous();
@@ -481,7 +497,7 @@ std::vector<at::Tensor> phase1_rms_norm_backward(
     float* grad_obar_p = grad_obar.data_ptr<float>();
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::vector<float> go_row(hidden), weight(hidden);
-      const float* w = fp32_row(weight_p, hidden, weight.data());
+      const float* w = gain_row(weight_p, hidden, static_cast<float>(gain_offset), weight.data());
       float* grad_w = grad_weight_chunks.data_ptr<float>() + chunk * hidden;
       for (int64_t t = begin; t < end; ++t) {
         const float* go = fp32_row(go_p + t * hidden, hidden, go_row.data());
@@ -630,6 +646,7 @@ std::vector<at::Tensor> phase2_backward(
     const at::Tensor& query,
     const std::optional<at::Tensor>& norm_weight,
     const at::Tensor& stats,
+    double gain_offset,
     double scale) {
   const bool normalizes = norm_weight.has_value();
   const int64_t hidden = partial.size(-1);
@@ -659,7 +676,8 @@ std::vector<at::Tensor> phase2_backward(
     float* grad_lse_p = grad_lse.data_ptr<float>();
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden), go_row(hidden), weight(hidden), h(hidden), gh(hidden);
-      const float* w = normalizes ? fp32_row(weight_p, hidden, weight.data()) : nullptr;
+      const float offset = static_cast<float>(gain_offset);
+      const float* w = normalizes ? gain_row(weight_p, hidden, offset, weight.data()) : nullptr;
       float* grad_q = sums.data_ptr<float>() + chunk * 2 * hidden;
       float* grad_w = grad_q + hidden;
       for (int64_t t = begin; t < end; ++t) {
@@ -721,7 +739,7 @@ at::Tensor phase2_operator(
     double eps,
     const std::optional<at::Tensor>& scale) {
   const double k = scale.has_value() ? scale->item<double>() : 1.0;
-  return phase2(obar, lse, partial, query, eps, std::nullopt, 0.0, k)[0];
+  return phase2(obar, lse, partial, query, eps, std::nullopt, 0.0, 0.0, k)[0];
 }
 
 at::Tensor phase2_rms_norm_operator(
@@ -731,12 +749,14 @@ at::Tensor phase2_rms_norm_operator(
     const at::Tensor& query,
     double eps,
     const at::Tensor& norm_weight,
-    double norm_eps) {
-  return phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, 1.0)[0];
+    double norm_eps,
+    double gain_offset) {
+  return phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset, 1.0)[0];
 }
 
-at::Tensor phase1_rms_norm_operator(const at::Tensor& obar, const at::Tensor& norm_weight, double norm_eps) {
-  return phase1_rms_norm(obar, norm_weight, norm_eps)[0];
+at::Tensor phase1_rms_norm_operator(
+    const at::Tensor& obar, const at::Tensor& norm_weight, double norm_eps, double gain_offset) {
+  return phase1_rms_norm(obar, norm_weight, norm_eps, gain_offset)[0];
 }
 
 }  // namespace
@@ -747,8 +767,8 @@ TORCH_LIBRARY(attnres_cpu, m) {
   m.def("phase2(Tensor obar, Tensor lse, Tensor partial, Tensor query, float eps, Tensor? scale) -> Tensor");
   m.def(
       "phase2_rms_norm(Tensor obar, Tensor lse, Tensor partial, Tensor query, float eps, Tensor norm_weight, "
-      "float norm_eps) -> Tensor");
-  m.def("phase1_rms_norm(Tensor obar, Tensor norm_weight, float norm_eps) -> Tensor");
+      "float norm_eps, float gain_offset=0) -> Tensor");
+  m.def("phase1_rms_norm(Tensor obar, Tensor norm_weight, float norm_eps, float gain_offset=0) -> Tensor");
   m.def("append_inverse_rms(Tensor blocks_inv_rms, Tensor block, float eps) -> Tensor");
 }
 

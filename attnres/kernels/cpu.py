@@ -104,13 +104,13 @@ class _AppendInverseRMS(torch.autograd.Function):
 
 
 class _Phase2(torch.autograd.Function):
-    """Phase 2 fused with the RMSNorm of gain `norm_weight`, or, with `norm_weight=None`, phase 2 alone times the
-    step's output scale `scale` (a float: the 0-d buffer it comes from takes no gradient)."""
+    """Phase 2 fused with the RMSNorm of gain `norm_weight + gain_offset`, or, with `norm_weight=None`, phase 2 alone
+    times the step's output scale `scale` (a float: the 0-d buffer it comes from takes no gradient)."""
 
     @staticmethod
-    def forward(ctx, obar, lse, partial, query, eps, norm_weight, norm_eps, scale):
-        out, stats = extension().phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, scale)
-        ctx.scale = scale
+    def forward(ctx, obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset, scale):
+        out, stats = extension().phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset, scale)
+        ctx.gain_offset, ctx.scale = gain_offset, scale
         ctx.save_for_backward(obar, partial, query, norm_weight, stats)
         return out
 
@@ -118,22 +118,23 @@ class _Phase2(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         obar, partial, query, norm_weight, stats = ctx.saved_tensors
         grad_obar, grad_lse, grad_partial, grad_query, grad_weight = extension().phase2_backward(
-            grad_out, obar, partial, query, norm_weight, stats, ctx.scale
+            grad_out, obar, partial, query, norm_weight, stats, ctx.gain_offset, ctx.scale
         )
-        return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None, None
+        return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None, None, None
 
 
 class _Phase1RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, obar: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float):
-        out, norm_inv_rms = extension().phase1_rms_norm(obar, norm_weight, norm_eps)
+    def forward(ctx, obar: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, gain_offset: float):
+        out, norm_inv_rms = extension().phase1_rms_norm(obar, norm_weight, norm_eps, gain_offset)
+        ctx.gain_offset = gain_offset
         ctx.save_for_backward(obar, norm_weight, norm_inv_rms)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_obar, grad_weight = extension().phase1_rms_norm_backward(grad_out, *ctx.saved_tensors)
-        return grad_obar, grad_weight, None
+        grad_obar, grad_weight = extension().phase1_rms_norm_backward(grad_out, *ctx.saved_tensors, ctx.gain_offset)
+        return grad_obar, grad_weight, None, None
 
 
 # Each operation three ways, with `two_phase_torch`'s signature (phase 1 returning its rows):
@@ -185,35 +186,35 @@ def _scale_value(scale: torch.Tensor | None) -> float:
 
 
 def _direct_phase2(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
-    return extension().phase2(obar, lse, partial, query, eps, None, 0.0, _scale_value(scale))[0]
+    return extension().phase2(obar, lse, partial, query, eps, None, 0.0, 0.0, _scale_value(scale))[0]
 
 
 def _recorded_phase2(obar, lse, partial, query, eps, scale=None) -> torch.Tensor:
-    return _Phase2.apply(obar, lse, partial, query, eps, None, 0.0, _scale_value(scale))
+    return _Phase2.apply(obar, lse, partial, query, eps, None, 0.0, 0.0, _scale_value(scale))
 
 
-def _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
+def _direct_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset=0.0) -> torch.Tensor:
     if norm_weight.dtype != partial.dtype:
-        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
-    return extension().phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, 1.0)[0]
+        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset)
+    return extension().phase2(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset, 1.0)[0]
 
 
-def _recorded_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
+def _recorded_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset=0.0) -> torch.Tensor:
     if norm_weight.dtype != partial.dtype:
-        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
-    return _Phase2.apply(obar, lse, partial, query, eps, norm_weight, norm_eps, 1.0)
+        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset)
+    return _Phase2.apply(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset, 1.0)
 
 
-def _direct_phase1_rms_norm(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
+def _direct_phase1_rms_norm(obar, dtype, norm_weight, norm_eps, gain_offset=0.0) -> torch.Tensor:
     if norm_weight.dtype != dtype:
-        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
-    return extension().phase1_rms_norm(obar, norm_weight, norm_eps)[0]
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps, gain_offset)
+    return extension().phase1_rms_norm(obar, norm_weight, norm_eps, gain_offset)[0]
 
 
-def _recorded_phase1_rms_norm(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
+def _recorded_phase1_rms_norm(obar, dtype, norm_weight, norm_eps, gain_offset=0.0) -> torch.Tensor:
     if norm_weight.dtype != dtype:
-        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
-    return _Phase1RMSNorm.apply(obar, norm_weight, norm_eps)
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps, gain_offset)
+    return _Phase1RMSNorm.apply(obar, norm_weight, norm_eps, gain_offset)
 
 
 _OPERATIONS = {
@@ -297,16 +298,17 @@ def _phase2_by_operator(obar, lse, partial, query, eps, scale=None) -> torch.Ten
     return torch.ops.attnres_cpu.phase2.default(obar, lse, partial, query, eps, scale)
 
 
-def _phase2_rms_norm_by_operator(obar, lse, partial, query, eps, norm_weight, norm_eps) -> torch.Tensor:
+def _phase2_rms_norm_by_operator(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset=0.0):
     if norm_weight.dtype != partial.dtype:
-        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps)
-    return torch.ops.attnres_cpu.phase2_rms_norm.default(obar, lse, partial, query, eps, norm_weight, norm_eps)
+        return two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset)
+    operator = torch.ops.attnres_cpu.phase2_rms_norm.default
+    return operator(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset)
 
 
-def _phase1_rms_norm_by_operator(obar, dtype, norm_weight, norm_eps) -> torch.Tensor:
+def _phase1_rms_norm_by_operator(obar, dtype, norm_weight, norm_eps, gain_offset=0.0) -> torch.Tensor:
     if norm_weight.dtype != dtype:
-        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps)
-    return torch.ops.attnres_cpu.phase1_rms_norm.default(obar, norm_weight, norm_eps)
+        return two_phase_torch.phase1_rms_norm(obar, dtype, norm_weight, norm_eps, gain_offset)
+    return torch.ops.attnres_cpu.phase1_rms_norm.default(obar, norm_weight, norm_eps, gain_offset)
 
 
 def _append_inverse_rms_by_operator(blocks_inv_rms: torch.Tensor, block: torch.Tensor, eps: float) -> torch.Tensor:
@@ -331,12 +333,12 @@ def _fake_phase2(obar, lse, partial, query, eps, scale):
     return _fresh(two_phase.phase2(obar, lse, partial, query, eps, scale))
 
 
-def _fake_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps):
-    return _fresh(two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps))
+def _fake_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset=0.0):
+    return _fresh(two_phase_torch.phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset))
 
 
-def _fake_phase1_rms_norm(obar, norm_weight, norm_eps):
-    return _fresh(two_phase_torch.phase1_rms_norm(obar, norm_weight.dtype, norm_weight, norm_eps))
+def _fake_phase1_rms_norm(obar, norm_weight, norm_eps, gain_offset=0.0):
+    return _fresh(two_phase_torch.phase1_rms_norm(obar, norm_weight.dtype, norm_weight, norm_eps, gain_offset))
 
 
 def _fake_append_inverse_rms(blocks_inv_rms, block, eps):
