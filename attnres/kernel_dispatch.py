@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import torch
 
-from .two_phase import norm_gain
 from .two_phase import phase2 as unfused_phase2
 from .two_phase_torch import append_inverse_rms as torch_append_inverse_rms
 from .two_phase_torch import padded_phase1
@@ -249,11 +248,7 @@ def _choose(
         # The Triton kernel reads the blocks stacked: one extra pass over them per block, not per sublayer.
         return phase1(torch.stack(blocks), blocks_inv_rms, queries)
 
-    def triton_phase2_rms_norm(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset=0.0):
-        # The Triton kernel takes the gain itself, so the offset is added to the weight before it.
-        return phase2_rms_norm(obar, lse, partial, query, eps, norm_gain(norm_weight, gain_offset), norm_eps)
-
-    kernels = composed(rows_of(stacked_phase1), torch_phase1_rms_norm, triton_phase2_rms_norm, torch_append_inverse_rms)
+    kernels = composed(rows_of(stacked_phase1), torch_phase1_rms_norm, phase2_rms_norm, torch_append_inverse_rms)
     return kernels._replace(differentiable=differentiable)
 
 

@@ -96,6 +96,27 @@ class TestKernels:
             assert kernel_grad.dtype == x.dtype
             assert_matches(kernel_grad, ref_grad)
 
+    @pytest.mark.parametrize("implementation", ["triton", "torch"])
+    def test_gain_offset_is_added_to_the_weight(self, implementation, monkeypatch):
+        """The fused norms' `gain_offset` (Gemma's `1 + w`) as the Triton kernels and `two_phase_torch` take it: the
+        output and every gradient are those of the gain `norm_weight + gain_offset` given instead."""
+        monkeypatch.setenv("ATTNRES_DEPTH_KERNEL", "triton")
+        kernels = depth_kernels(torch.device(DEVICE), "auto") if implementation == "triton" else TORCH_KERNELS
+        obar, lse, partial, query, norm_weight = phase2_inputs((2, 3), 48, torch.float32)
+        grad = torch.randn(2, 3, 48)
+        for operation, inputs, fixed in (
+            (kernels.phase2_rms_norm, (obar, lse, partial, query), (EPS,)),
+            (kernels.phase1_rms_norm, (obar,), (torch.float32,)),
+        ):
+            (out,), grads = run_with_grads(
+                lambda *x: operation(*x[:-1], *fixed, x[-1], NORM_EPS, 1.0), (*inputs, norm_weight), (grad,)
+            )
+            (expected,), expected_grads = run_with_grads(
+                lambda *x: operation(*x[:-1], *fixed, x[-1] + 1.0, NORM_EPS), (*inputs, norm_weight), (grad,)
+            )
+            assert torch.equal(out, expected)
+            assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+
     def test_phase2_rms_norm_backward_loops_over_tokens(self, monkeypatch):
         """More token tiles than backward programs, so each program loops and sums several tiles into its share of
         the gain's gradient; 9 tokens also leave the last tile partly masked."""

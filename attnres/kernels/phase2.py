@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..two_phase import norm_gain
 from .common import device_guard, hidden_block, weighted_row_sum
 
 
@@ -217,8 +218,10 @@ def phase2_rms_norm(
     eps: float,
     norm_weight: torch.Tensor,
     norm_eps: float,
+    gain_offset: float = 0.0,
 ) -> torch.Tensor:
-    """Triton `attnres.two_phase.phase2_rms_norm`: the normalised sublayer input `[*tokens, D]`."""
+    """Triton `attnres.two_phase.phase2_rms_norm`: the normalised sublayer input `[*tokens, D]`. The kernel reads the
+    gain itself, `norm_weight + gain_offset`."""
     hidden = partial.shape[-1]
     torch._check(obar.shape == partial.shape, lambda: "obar and partial must have the same shape")
     torch._check(lse.shape == partial.shape[:-1], lambda: "lse must be partial.shape[:-1]")
@@ -232,7 +235,7 @@ def phase2_rms_norm(
             lse.float().contiguous(),
             partial.contiguous(),
             query.contiguous(),
-            norm_weight.contiguous(),
+            norm_gain(norm_weight, gain_offset).contiguous(),
             out,
             num_tokens,
             hidden,
@@ -244,7 +247,7 @@ def phase2_rms_norm(
 
 
 @phase2_rms_norm.register_fake
-def _(obar, lse, partial, query, eps, norm_weight, norm_eps):
+def _(obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset=0.0):
     return torch.empty_like(partial, dtype=_output_dtype(partial, norm_weight), memory_format=torch.contiguous_format)
 
 
@@ -315,8 +318,9 @@ def _(obar, lse, partial, query, norm_weight, grad_out, eps, norm_eps):
 
 
 def _setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    obar, lse, partial, query, eps, norm_weight, norm_eps = inputs
-    ctx.save_for_backward(obar, lse, partial, query, norm_weight)
+    obar, lse, partial, query, eps, norm_weight, norm_eps, gain_offset = inputs
+    # The backward pass reads the gain; its gradient is the weight's.
+    ctx.save_for_backward(obar, lse, partial, query, norm_gain(norm_weight, gain_offset))
     ctx.eps, ctx.norm_eps = eps, norm_eps
 
 
@@ -324,7 +328,7 @@ def _backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     grad_obar, grad_lse, grad_partial, grad_query, grad_weight = phase2_rms_norm_backward(
         *ctx.saved_tensors, grad_out, ctx.eps, ctx.norm_eps
     )
-    return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None
+    return grad_obar, grad_lse, grad_partial, grad_query, None, grad_weight, None, None
 
 
 phase2_rms_norm.register_autograd(_backward, setup_context=_setup_context)
