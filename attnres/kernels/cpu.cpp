@@ -109,10 +109,11 @@ const float* fp32_row(const scalar_t* row, int64_t n, float* scratch) {
 // `1 + w`) computed from its own weight, where adding the offset before the call would be one more operation per
 // sublayer and token (`modeling_attnres.FusableNorm`).
 template <typename scalar_t>
-const float* gain_row(const scalar_t* weight, int64_t n, float offset, float* scratch) {
-  if (offset == 0.f) return fp32_row(weight, n, scratch);
+const float* gain_row(const scalar_t* weight, int64_t n, double offset, float* scratch) {
+  if (offset == 0.0) return fp32_row(weight, n, scratch);
+  const float offset_f = static_cast<float>(offset);
   for (int64_t i = 0; i < n; ++i) {
-    scratch[i] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(weight[i]) + offset));
+    scratch[i] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(weight[i]) + offset_f));
   }
   return scratch;
 }
@@ -274,7 +275,7 @@ std::vector<at::Tensor> phase2(
   stats_shape.insert(stats_shape.end(), token_shape.begin(), token_shape.end());
   auto stats = at::empty(stats_shape, partial.options().dtype(at::kFloat));
   const float eps_f = static_cast<float>(eps), norm_eps_f = static_cast<float>(norm_eps);
-  const float scale_f = static_cast<float>(scale), offset_f = static_cast<float>(gain_offset);
+  const float scale_f = static_cast<float>(scale);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial.scalar_type(), "phase2", [&] {
     const scalar_t* partial_p = partial_c.data_ptr<scalar_t>();
@@ -289,7 +290,7 @@ std::vector<at::Tensor> phase2(
     float* norm_inv_rms_p = inv_rms_p + tokens;
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden), hidden_row(hidden), weight(hidden);
-      const float* w = normalizes ? gain_row(weight_p, hidden, offset_f, weight.data()) : nullptr;
+      const float* w = normalizes ? gain_row(weight_p, hidden, gain_offset, weight.data()) : nullptr;
       float* h = hidden_row.data();
       for (int64_t t = begin; t < end; ++t) {
         const float* v = fp32_row(partial_p + t * hidden, hidden, scratch.data());
@@ -455,7 +456,7 @@ std::vector<at::Tensor> phase1_rms_norm(
   const auto obar_c = obar.contiguous(), weight_c = norm_weight.contiguous();
   auto out = at::empty(obar.sizes(), obar.options().dtype(norm_weight.scalar_type()));
   auto norm_inv_rms = at::empty(obar.sizes().slice(0, obar.dim() - 1), obar.options());
-  const float norm_eps_f = static_cast<float>(norm_eps), offset_f = static_cast<float>(gain_offset);
+  const float norm_eps_f = static_cast<float>(norm_eps);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, norm_weight.scalar_type(), "phase1_rms_norm", [&] {
     const scalar_t* weight_p = weight_c.data_ptr<scalar_t>();
@@ -464,7 +465,7 @@ std::vector<at::Tensor> phase1_rms_norm(
     float* norm_inv_rms_p = norm_inv_rms.data_ptr<float>();
     at::parallel_for(0, tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       std::vector<float> weight(hidden);
-      const float* w = gain_row(weight_p, hidden, offset_f, weight.data());
+      const float* w = gain_row(weight_p, hidden, gain_offset, weight.data());
       for (int64_t t = begin; t < end; ++t) {
         norm_inv_rms_p[t] = normalize(obar_p + t * hidden, w, hidden, norm_eps_f, out_p + t * hidden);
       }
@@ -497,7 +498,7 @@ std::vector<at::Tensor> phase1_rms_norm_backward(
     float* grad_obar_p = grad_obar.data_ptr<float>();
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::vector<float> go_row(hidden), weight(hidden);
-      const float* w = gain_row(weight_p, hidden, static_cast<float>(gain_offset), weight.data());
+      const float* w = gain_row(weight_p, hidden, gain_offset, weight.data());
       float* grad_w = grad_weight_chunks.data_ptr<float>() + chunk * hidden;
       for (int64_t t = begin; t < end; ++t) {
         const float* go = fp32_row(go_p + t * hidden, hidden, go_row.data());
@@ -676,8 +677,7 @@ std::vector<at::Tensor> phase2_backward(
     float* grad_lse_p = grad_lse.data_ptr<float>();
     for_each_chunk(tokens, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::vector<float> scratch(hidden), go_row(hidden), weight(hidden), h(hidden), gh(hidden);
-      const float offset = static_cast<float>(gain_offset);
-      const float* w = normalizes ? gain_row(weight_p, hidden, offset, weight.data()) : nullptr;
+      const float* w = normalizes ? gain_row(weight_p, hidden, gain_offset, weight.data()) : nullptr;
       float* grad_q = sums.data_ptr<float>() + chunk * 2 * hidden;
       float* grad_w = grad_q + hidden;
       for (int64_t t = begin; t < end; ++t) {
