@@ -508,7 +508,10 @@ class AttnResDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor | tuple:
         """The output of the sublayer's module, or the sum of the outputs of the modules its branch sums
         (`Sublayer.summands`), in order, of those the family's layer built (Granite 4's MoE without experts is
-        skipped, as its layer skips it)."""
+        skipped, as its layer skips it). A branch of one module, the common case, is that module's output: no list
+        is built per sublayer and decoded token."""
+        if len(summands) == 1:
+            return self.module_output(summands[0], hidden_states, inputs)
         outputs = [self.module_output(part, hidden_states, inputs) for part in summands]
         outputs = [output for output in outputs if output is not None]
         return sum(outputs[1:], outputs[0])

@@ -474,13 +474,32 @@ def peak_train_memories(shape: str, autocast: str | None) -> dict[str, dict[str,
         return dict(zip(names, memories, strict=True))
 
 
-def cpu_model() -> str:
+def cpuinfo_field(name: str) -> str | None:
+    """The first processor's `name` field in /proc/cpuinfo, `None` where there is none (not Linux)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+# The CPU instructions that compute bf16 / fp16 matrix products natively (/proc/cpuinfo's flags).
+LOW_PRECISION_INSTRUCTIONS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_instructions() -> dict:
+    """What the machine's name does not say: the vector instructions torch's CPU kernels use (`AVX2`, `AVX512`) and
+    which of bf16 / fp16 it computes natively. The same processor name ("AMD EPYC") has come with and without
+    AVX-512, and without native bf16 a bf16 matrix product takes many times its fp32 time (benchmarks/README.md), which
+    no ratio under autocast survives."""
+    flags = set((cpuinfo_field("flags") or "").split())
+    native = [dtype for dtype, names in LOW_PRECISION_INSTRUCTIONS.items() if flags & set(names)]
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_low_precision": native}
 
 
 def main() -> None:
@@ -505,6 +524,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.instances < 1:
         parser.error(f"argument --instances: {args.instances} is not a positive number of instances")
+    instructions = cpu_instructions()
+    if args.autocast is not None and args.autocast not in instructions["native_low_precision"]:
+        print(
+            f"warning: this CPU ({instructions['cpu_capability']}) has no {args.autocast} matrix instructions: torch "
+            f"may compute {args.autocast} matrix products on a slow path here, where the ratios say little "
+            "(benchmarks/README.md, 'Under bf16 autocast')",
+            file=sys.stderr,
+        )
     torch.set_num_threads(torch.get_num_threads())
     # What the models' depth attention runs on here; the fused CPU kernels are built now (once per machine), before
     # the models' processes load them.
@@ -567,6 +594,7 @@ def main() -> None:
         print(f"| {row['shape']} | {row['mode']} | {row['model']} | {' | '.join(times + memory)} |")
     machine = {
         "processor": cpu_model(),
+        **instructions,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

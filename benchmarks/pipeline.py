@@ -54,7 +54,7 @@ from attnres.training.pipeline import (
     pipeline_schedule,
     stage_modules,
 )
-from benchmarks.overhead import cpu_model, flanked_ratios, round_order
+from benchmarks.overhead import cpu_instructions, cpu_model, flanked_ratios, round_order
 
 
 BASELINE, CACHED, NAIVE = "llama", "block", "block (naive)"
@@ -266,6 +266,7 @@ def main() -> None:
     settings = {key: value for key, value in vars(args).items() if key not in ("output", "worker_output")}
     machine = {
         "processor": cpu_model(),
+        **cpu_instructions(),
         "threads_per_rank": 1,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

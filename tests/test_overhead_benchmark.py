@@ -124,10 +124,15 @@ def test_benchmark_runs_the_workloads_asked_for(tmp_path):
 
 def test_autocast_runs_every_workload_under_autocast(tmp_path):
     """`--autocast bf16`: each model's process runs its workloads under bf16 autocast (here, a training step), and
-    the rows and settings say so."""
+    the rows and settings say so. The results record the CPU's instruction set, and the run warns where the CPU has no
+    bf16 matrix instructions (its ratios then say little)."""
     with precision("bf16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    _, results = run_benchmark(tmp_path, "train", "--train-seconds", "0", "--autocast", "bf16")
+    result, results = run_benchmark(tmp_path, "train", "--train-seconds", "0", "--autocast", "bf16")
     assert results["autocast"] == "bf16"
+    machine = results["machine"]
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    warned = "has no bf16 matrix instructions" in result.stderr
+    assert warned == ("bf16" not in machine["native_low_precision"])
     assert {row["mode"] for row in results["rows"]} == {"eager, bf16 autocast"}
     assert all(row["train_s"] > 0 for row in results["rows"])
