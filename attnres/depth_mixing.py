@@ -189,7 +189,7 @@ class DepthAttention(DepthMixer):
         if queries is None:
             blocks_inv_rms = kernels.append_inverse_rms(no_blocks_inv_rms, inputs_embeds, self.eps)
             return DepthState(blocks=(inputs_embeds,), blocks_inv_rms=blocks_inv_rms), context
-        first_block = torch.stack(queries[self.block])
+        first_block = queries[self.block]
         blocks_inv_rms, rows, lse = kernels.close_block((inputs_embeds,), no_blocks_inv_rms, first_block, self.eps)
         state = DepthState((inputs_embeds,), blocks_inv_rms, queries=queries, phase1_rows=rows, lse=lse)
         return state, context
@@ -208,8 +208,7 @@ class DepthAttention(DepthMixer):
         if queries is None:
             blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, blocks[-1], self.eps)
             return DepthState(blocks, blocks_inv_rms, partial), DepthContext(kernels)
-        this_block = torch.stack(queries[self.block])
-        blocks_inv_rms, rows, lse = kernels.close_block(blocks, blocks_inv_rms, this_block, self.eps)
+        blocks_inv_rms, rows, lse = kernels.close_block(blocks, blocks_inv_rms, queries[self.block], self.eps)
         return DepthState(blocks, blocks_inv_rms, partial, queries, rows, lse), DepthContext(kernels)
 
     def step_query(self, state: DepthState) -> torch.Tensor:
@@ -222,7 +221,7 @@ class DepthAttention(DepthMixer):
             row = state.phase1_rows[self.block_offset]
             lse = state.lse[self.block_offset]
         else:  # the output step, or no gathered queries: phase 1 for this step's own query
-            (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, self.step_query(state).unsqueeze(0))
+            (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, (self.step_query(state),))
             lse = lse[0]
         # k and its buffer (`PendingInput`), read only where k is not 1: a buffer's lookup is a Python call per step.
         scale = (self.output_scale, self.output_scale_tensor) if self.output_scale != 1 else ()
@@ -252,7 +251,7 @@ class DepthAttention(DepthMixer):
         if state.queries is None or self.next_block is None:
             blocks_inv_rms = kernels.append_inverse_rms(state.blocks_inv_rms, partial, self.eps)
             return DepthState(blocks, blocks_inv_rms, queries=state.queries)
-        next_queries = torch.stack(state.queries[self.next_block])
+        next_queries = state.queries[self.next_block]
         blocks_inv_rms, rows, lse = kernels.close_block(blocks, state.blocks_inv_rms, next_queries, self.eps)
         return DepthState(blocks, blocks_inv_rms, queries=state.queries, phase1_rows=rows, lse=lse)
 

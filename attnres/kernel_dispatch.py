@@ -33,8 +33,10 @@ PACKAGED = __name__ == "attnres.kernel_dispatch"
 
 class DepthKernels(NamedTuple):
     """The operations of the two-phase form (docs/design.md §6), as `two_phase_torch` defines them, except that
-    `phase1` returns phase 1's output as a tuple of its S rows `[*tokens, D]` (one per step, the form the depth state
-    holds), and `close_block(blocks, blocks_inv_rms, queries, eps)` is what the step that closes a block computes:
+    `phase1` takes the S steps' queries `[D]` as a sequence and returns phase 1's output as a tuple of its S rows
+    `[*tokens, D]` (both one per step, the form the depth state holds: stacking the queries would be one more
+    operation per closed block and decoded token), and `close_block(blocks, blocks_inv_rms, queries, eps)` is what
+    the step that closes a block computes:
     the newest block's inverse RMS appended to `blocks_inv_rms`, then phase 1 over all the blocks,
     `(blocks_inv_rms, rows, lse)`; `lse` is indexed by row too (stacked, or a tuple).
 
@@ -94,7 +96,9 @@ def composed(
     """`DepthKernels` from `two_phase_torch`-style operations and a phase 1 that returns rows (`rows_of`), with
     `close_block` composed of `append_inverse_rms` and `phase1_rows`."""
 
-    def close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
+    def close_block(
+        blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor], eps: float
+    ):
         blocks_inv_rms = append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
         return blocks_inv_rms, *phase1_rows(blocks, blocks_inv_rms, queries)
 
@@ -102,10 +106,11 @@ def composed(
 
 
 def rows_of(phase1: Callable) -> Callable:
-    """`phase1` (`two_phase_torch.phase1`'s signature) with its stacked output split into rows."""
+    """`phase1` (`two_phase_torch.phase1`'s signature) taking its queries as a sequence, with its stacked output split
+    into rows."""
 
-    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-        obar, lse = phase1(blocks, blocks_inv_rms, queries)
+    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]):
+        obar, lse = phase1(blocks, blocks_inv_rms, torch.stack(queries))
         return obar.unbind(0), lse
 
     return phase1_rows
@@ -149,12 +154,11 @@ def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: i
     # eps as a tensor: under `dynamic=True` it is a symbolic float, which a region does not take.
     eps_tensor = torch.full((), eps, device=device)
 
-    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
+    def phase1_rows(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]):
         # `blocks_inv_rms` is not read: the state still appends to it, and the compiler drops what nothing reads.
         padding = [torch.empty_like(blocks[0]) for _ in range(num_blocks - len(blocks))]
-        count = queries.shape[0]
-        if count < num_queries:
-            queries = torch.cat([queries, queries.new_zeros(num_queries - count, queries.shape[1])])
+        count = len(queries)
+        queries = torch.stack([*queries, *[queries[0].new_zeros(queries[0].shape)] * (num_queries - count)])
         rows = _padded_phase1_rows(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
         return rows[:count], rows[num_queries : num_queries + count]  # obar's rows, then lse's
 

@@ -111,7 +111,7 @@ def depth_operations(device: str, autocast: torch.dtype | None = None):
         blocks_inv_rms = partial.new_empty((0, 2, 5))
         for block in blocks[:-1]:
             blocks_inv_rms = kernels.append_inverse_rms(blocks_inv_rms, block, EPS)
-        blocks_inv_rms, rows, lse = kernels.close_block(blocks, blocks_inv_rms, queries, EPS)
+        blocks_inv_rms, rows, lse = kernels.close_block(blocks, blocks_inv_rms, queries.unbind(0), EPS)
         first = kernels.phase1_rms_norm(rows[0], partial.dtype, norm_weight, NORM_EPS)
         merged = kernels.phase2_rms_norm(rows[1], lse[1], partial, queries[1], EPS, norm_weight, NORM_EPS)
         unfused = kernels.phase2(rows[1], lse[1], partial, queries[1], EPS)

@@ -44,7 +44,7 @@ def built_extension():
 
 def separate_blocks_phase1(blocks_inv_rms, queries, *blocks):
     """`cpu.phase1` with the reference's signature: blocks stacked, `obar` returned stacked (it comes in rows)."""
-    obar, lse = cpu.phase1(blocks, blocks_inv_rms, queries)
+    obar, lse = cpu.phase1(blocks, blocks_inv_rms, queries.unbind(0))
     assert isinstance(obar, tuple) and len(obar) == queries.shape[0]
     return torch.stack(obar), lse
 
@@ -81,7 +81,7 @@ def test_phase1_backward_with_rows_left_unused():
     grad_obar[1] = 0
 
     def rows_0_and_2(blocks_inv_rms, queries, *blocks):
-        obar, lse = cpu.phase1(blocks, blocks_inv_rms, queries)
+        obar, lse = cpu.phase1(blocks, blocks_inv_rms, queries.unbind(0))
         return obar[0], obar[2], lse
 
     _, kernel_grads = run_with_grads(rows_0_and_2, inputs, (grad_obar[0], grad_obar[2], grad_lse))
@@ -93,7 +93,7 @@ def test_phase1_backward_with_rows_left_unused():
 
 def closed_block(blocks_inv_rms, queries, *blocks):
     """`cpu.close_block` with `obar` stacked."""
-    appended, obar, lse = cpu.close_block(blocks, blocks_inv_rms, queries, EPS)
+    appended, obar, lse = cpu.close_block(blocks, blocks_inv_rms, queries.unbind(0), EPS)
     return appended, torch.stack(obar), lse
 
 
@@ -347,7 +347,7 @@ def operation_cases(dtype: torch.dtype) -> list[tuple[str, tuple, tuple | None]]
     where none: a gain of another dtype takes the PyTorch path): phase 2 with and without an output scale, and the
     fused norms with a gain of another dtype where `dtype` is not fp32."""
     stacked, blocks_inv_rms, queries = phase1_inputs(3, 2, (2, 5), 40, dtype)
-    blocks = list(stacked.unbind(0))
+    blocks, queries = list(stacked.unbind(0)), list(queries.unbind(0))
     obar, lse, partial, query, norm_weight = phase2_inputs((2, 5), 40, dtype)
     phase2_args = (obar, lse, partial, query, EPS)
     cases = [

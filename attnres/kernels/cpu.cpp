@@ -318,7 +318,8 @@ std::vector<at::Tensor> phase2(
 // ..., obar_{S-1})`. `obar` comes as S separate `[*tokens, D]` rows, one per query: each row is read by one sublayer's
 // step, so each step's gradient arrives in the backward pass as a row of its own, not scattered into a zero-filled
 // `[S, *tokens, D]` that autograd would then sum over the S steps. `weights` and `raw` are token-major, so that a
-// token's N x S scores are written and read together, not N x S values a row of tokens apart.
+// token's N x S scores are written and read together, not N x S values a row of tokens apart. The S queries `[D]` come
+// separately too, as the steps hold them: stacking them would be one more operation per closed block and token.
 //
 // With `append_eps`, `blocks_inv_rms` holds the inverse RMS of all blocks but the newest (`[N - 1, *tokens]`): phase 1
 // computes the newest one's (`append_inverse_rms` with that eps) from the rows it reads anyway and returns
@@ -330,18 +331,22 @@ std::vector<at::Tensor> phase2(
 std::vector<at::Tensor> phase1(
     const std::vector<at::Tensor>& blocks,
     const at::Tensor& blocks_inv_rms,
-    const at::Tensor& queries,
+    const std::vector<at::Tensor>& queries,
     std::optional<double> append_eps,
     bool for_backward) {
   TORCH_CHECK(!blocks.empty(), "phase 1 needs at least one block");
   check_fp32(blocks_inv_rms, "blocks_inv_rms");
-  check_fp32(queries, "queries");
   const auto& first = blocks.front();
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  const int64_t num_queries = queries.size(0);
+  const int64_t num_queries = static_cast<int64_t>(queries.size());
   const int64_t hidden = first.size(-1);
   const int64_t tokens = first.numel() / hidden;
-  TORCH_CHECK(queries.dim() == 2 && queries.size(1) == hidden, "queries must be [S, hidden]");
+  std::vector<at::Tensor> queries_c;
+  for (const auto& query : queries) {
+    check_fp32(query, "queries");
+    TORCH_CHECK(query.numel() == hidden, "each query must be [hidden]");
+    queries_c.push_back(query.contiguous());
+  }
   const bool appends = append_eps.has_value();
   TORCH_CHECK(
       blocks_inv_rms.numel() == (appends ? num_blocks - 1 : num_blocks) * tokens,
@@ -352,7 +357,6 @@ std::vector<at::Tensor> phase1(
     TORCH_CHECK(block.sizes() == first.sizes() && block.scalar_type() == first.scalar_type(), "blocks must match");
     blocks_c.push_back(block.contiguous());
   }
-  const auto queries_c = queries.contiguous();
   const auto token_shape = first.sizes().slice(0, first.dim() - 1);
   std::vector<int64_t> inv_rms_shape{num_blocks}, lse_shape{num_queries};
   for (auto* shape : {&inv_rms_shape, &lse_shape}) {
@@ -362,9 +366,10 @@ std::vector<at::Tensor> phase1(
   score_shape.insert(score_shape.end(), {num_blocks, num_queries});
   const auto fp32 = first.options().dtype(at::kFloat);
   at::Tensor inv_rms_c = blocks_inv_rms.contiguous();
-  if (appends) {
+  if (appends) {  // copied here, not by tensor operations: each would be a dispatch per closed block and token
+    const auto given = inv_rms_c;
     inv_rms_c = at::empty(inv_rms_shape, fp32);
-    inv_rms_c.narrow(0, 0, num_blocks - 1).copy_(blocks_inv_rms);
+    std::copy_n(given.data_ptr<float>(), given.numel(), inv_rms_c.data_ptr<float>());
   }
   const auto scores = [&] { return for_backward ? at::empty(score_shape, fp32) : at::Tensor(); };
   std::vector<at::Tensor> result{inv_rms_c, at::empty(lse_shape, fp32), scores(), scores()};
@@ -380,7 +385,6 @@ std::vector<at::Tensor> phase1(
     std::vector<const scalar_t*> block_p;
     for (const auto& block : blocks_c) block_p.push_back(block.data_ptr<scalar_t>());
     float* inv_rms_p = inv_rms_c.data_ptr<float>();
-    const float* queries_p = queries_c.data_ptr<float>();
     float* lse_p = result[1].data_ptr<float>();
     float* weights_p = for_backward ? result[2].data_ptr<float>() : nullptr;
     float* raw_p = for_backward ? result[3].data_ptr<float>() : nullptr;
@@ -390,7 +394,7 @@ std::vector<at::Tensor> phase1(
       std::vector<const float*> rows(num_blocks), query_rows(num_queries), mix(num_queries);
       std::vector<float*> out(num_queries);
       for (int64_t s = 0; s < num_queries; ++s) {
-        query_rows[s] = queries_p + s * hidden;
+        query_rows[s] = queries_c[s].data_ptr<float>();
         mix[s] = logits.data() + s * num_blocks;
       }
       for (int64_t t = begin; t < end; ++t) {
@@ -717,16 +721,16 @@ std::vector<at::Tensor> phase2_backward(
 // without `append_eps` returns `blocks_inv_rms` as given, which is left out, as are `weights` and `raw`, undefined
 // without `for_backward`.
 std::vector<at::Tensor> phase1_operator(
-    at::TensorList blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries) {
-  auto result = phase1(blocks.vec(), blocks_inv_rms, queries, std::nullopt, false);
+    at::TensorList blocks, const at::Tensor& blocks_inv_rms, at::TensorList queries) {
+  auto result = phase1(blocks.vec(), blocks_inv_rms, queries.vec(), std::nullopt, false);
   result.erase(result.begin() + 2, result.begin() + 4);
   result.erase(result.begin());
   return result;  // lse, then the rows
 }
 
 std::vector<at::Tensor> close_block_operator(
-    at::TensorList blocks, const at::Tensor& blocks_inv_rms, const at::Tensor& queries, double eps) {
-  auto result = phase1(blocks.vec(), blocks_inv_rms, queries, eps, false);
+    at::TensorList blocks, const at::Tensor& blocks_inv_rms, at::TensorList queries, double eps) {
+  auto result = phase1(blocks.vec(), blocks_inv_rms, queries.vec(), eps, false);
   result.erase(result.begin() + 2, result.begin() + 4);
   return result;  // blocks_inv_rms with the newest block's appended, lse, then the rows
 }
@@ -762,8 +766,8 @@ at::Tensor phase1_rms_norm_operator(
 }  // namespace
 
 TORCH_LIBRARY(attnres_cpu, m) {
-  m.def("phase1(Tensor[] blocks, Tensor blocks_inv_rms, Tensor queries) -> Tensor[]");
-  m.def("close_block(Tensor[] blocks, Tensor blocks_inv_rms, Tensor queries, float eps) -> Tensor[]");
+  m.def("phase1(Tensor[] blocks, Tensor blocks_inv_rms, Tensor[] queries) -> Tensor[]");
+  m.def("close_block(Tensor[] blocks, Tensor blocks_inv_rms, Tensor[] queries, float eps) -> Tensor[]");
   m.def("phase2(Tensor obar, Tensor lse, Tensor partial, Tensor query, float eps, Tensor? scale) -> Tensor");
   m.def(
       "phase2_rms_norm(Tensor obar, Tensor lse, Tensor partial, Tensor query, float eps, Tensor norm_weight, "

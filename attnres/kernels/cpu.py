@@ -62,14 +62,17 @@ def extension() -> ModuleType | None:
 
 class _Phase1(torch.autograd.Function):
     """Phase 1's rows as S separate outputs, so that each step's gradient for its row reaches the backward pass as it
-    is. With `append_eps` (`close_block`), the kernel appends the newest block's inverse RMS to `blocks_inv_rms` and
-    returns the `[N, *tokens]` first; its gradient then reaches the newest block in phase 1's backward pass."""
+    is; its queries stacked `[S, D]`, as the backward kernel returns their gradient. With `append_eps`
+    (`close_block`), the kernel appends the newest block's inverse RMS to `blocks_inv_rms` and returns the
+    `[N, *tokens]` first; its gradient then reaches the newest block in phase 1's backward pass."""
 
     @staticmethod
     def forward(
         ctx, blocks_inv_rms: torch.Tensor, queries: torch.Tensor, append_eps: float | None, *blocks: torch.Tensor
     ):
-        inv_rms, lse, weights, raw, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, append_eps, True)
+        inv_rms, lse, weights, raw, *obar = extension().phase1(
+            list(blocks), blocks_inv_rms, list(queries), append_eps, True
+        )
         ctx.appends = append_eps is not None
         ctx.save_for_backward(inv_rms, queries, weights, raw, *blocks)
         if ctx.appends:
@@ -137,42 +140,47 @@ class _Phase1RMSNorm(torch.autograd.Function):
         return grad_obar, grad_weight, None, None
 
 
-# Each operation three ways, with `two_phase_torch`'s signature (phase 1 returning its rows):
-# (the kernel called directly, the kernel's autograd Function, the PyTorch fallback).
+# Each operation three ways, with `two_phase_torch`'s signature, except that phase 1 takes the S queries `[D]` as a
+# sequence and returns its rows (`kernel_dispatch.DepthKernels`): (the kernel called directly, the kernel's autograd
+# Function, the PyTorch fallback).
 
 
-def _torch_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-    obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, queries)
+def _torch_phase1(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]
+):
+    obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, torch.stack(queries))
     return obar.unbind(0), lse
 
 
-def _torch_close_block(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float):
+def _torch_close_block(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor], eps: float
+):
     blocks_inv_rms = two_phase_torch.append_inverse_rms(blocks_inv_rms, blocks[-1], eps)
     return blocks_inv_rms, *_torch_phase1(blocks, blocks_inv_rms, queries)
 
 
-def _direct_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-    _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, None, False)
+def _direct_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]):
+    _, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, list(queries), None, False)
     return tuple(obar), lse
 
 
-def _recorded_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-    lse, *obar = _Phase1.apply(blocks_inv_rms, queries, None, *blocks)
+def _recorded_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]):
+    lse, *obar = _Phase1.apply(blocks_inv_rms, torch.stack(queries), None, *blocks)
     return tuple(obar), lse
 
 
 def _direct_close_block(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor], eps: float
 ):
     """Appending the newest block's inverse RMS and phase 1 over all the blocks, in one pass over them."""
-    blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, queries, eps, False)
+    blocks_inv_rms, lse, _, _, *obar = extension().phase1(list(blocks), blocks_inv_rms, list(queries), eps, False)
     return blocks_inv_rms, tuple(obar), lse
 
 
 def _recorded_close_block(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor], eps: float
 ):
-    blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, queries, eps, *blocks)
+    blocks_inv_rms, lse, *obar = _Phase1.apply(blocks_inv_rms, torch.stack(queries), eps, *blocks)
     return blocks_inv_rms, tuple(obar), lse
 
 
@@ -259,7 +267,7 @@ def _with_autograd(direct: Callable, recorded: Callable, fallback: Callable) -> 
 _WITH_AUTOGRAD = {name: _with_autograd(*ways) for name, ways in _OPERATIONS.items()}
 _WITHOUT_AUTOGRAD = {name: direct for name, (direct, _, _) in _OPERATIONS.items()}
 
-# `two_phase_torch`'s operations (phase 1 returning its rows), for callers outside the model.
+# The operations as `kernel_dispatch.DepthKernels` defines them, for callers outside the model.
 phase1 = _WITH_AUTOGRAD["phase1"]
 phase1_rms_norm = _WITH_AUTOGRAD["phase1_rms_norm"]
 phase2_rms_norm = _WITH_AUTOGRAD["phase2_rms_norm"]
@@ -282,15 +290,18 @@ def implementations(differentiable: bool) -> dict[str, Callable]:
 # fake tensors, made contiguous as the kernels write them (`_register_fake_implementations`).
 
 
-def _phase1_by_operator(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor):
-    lse, *rows = torch.ops.attnres_cpu.phase1.default(list(blocks), blocks_inv_rms, queries)
+def _phase1_by_operator(
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]
+):
+    lse, *rows = torch.ops.attnres_cpu.phase1.default(list(blocks), blocks_inv_rms, list(queries))
     return tuple(rows), lse
 
 
 def _close_block_by_operator(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: torch.Tensor, eps: float
+    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor], eps: float
 ):
-    blocks_inv_rms, lse, *rows = torch.ops.attnres_cpu.close_block.default(list(blocks), blocks_inv_rms, queries, eps)
+    operator = torch.ops.attnres_cpu.close_block.default
+    blocks_inv_rms, lse, *rows = operator(list(blocks), blocks_inv_rms, list(queries), eps)
     return blocks_inv_rms, tuple(rows), lse
 
 
