@@ -208,8 +208,11 @@ class AttnResConfig(PreTrainedConfig):
         Transformers' caches read, computed from this config's fields as the family's config computes them from its
         own, under the family's aliases too (Bamba's `layer_types`). Python calls this only for a name that the
         instance and its class lack."""
-        family = FAMILIES.get(vars(self).get("family"))
-        if family is not None and vars(self).get(_FAMILY_BUILT):
+        # Read once: `vars(self)` goes through Transformers' `__getattribute__` hooks, and every forward pass probes a
+        # few names that no config has (`merge_with_config_defaults`).
+        fields = vars(self)
+        family = FAMILIES.get(fields.get("family"))
+        if family is not None and fields.get(_FAMILY_BUILT):
             config_class = family.config_class
             family_property = _properties(config_class).get(config_class.attribute_map.get(name, name))
             if family_property is not None:
