@@ -145,9 +145,7 @@ class _Phase1RMSNorm(torch.autograd.Function):
 # Function, the PyTorch fallback).
 
 
-def _torch_phase1(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]
-):
+def _torch_phase1(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]):
     obar, lse = two_phase_torch.phase1(blocks, blocks_inv_rms, torch.stack(queries))
     return obar.unbind(0), lse
 
@@ -290,9 +288,7 @@ def implementations(differentiable: bool) -> dict[str, Callable]:
 # fake tensors, made contiguous as the kernels write them (`_register_fake_implementations`).
 
 
-def _phase1_by_operator(
-    blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]
-):
+def _phase1_by_operator(blocks: Sequence[torch.Tensor], blocks_inv_rms: torch.Tensor, queries: Sequence[torch.Tensor]):
     lse, *rows = torch.ops.attnres_cpu.phase1.default(list(blocks), blocks_inv_rms, list(queries))
     return tuple(rows), lse
 
