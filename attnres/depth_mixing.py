@@ -218,17 +218,17 @@ class DepthAttention(DepthMixer):
     def forward(self, state: DepthState, context: DepthContext) -> torch.Tensor | PendingInput:
         kernels = context.kernels
         if state.phase1_rows:
-            row, lse = state.phase1_rows[self.block_offset], None
+            row, lse, lse_row = state.phase1_rows[self.block_offset], state.lse, self.block_offset
         else:  # the output step, or no gathered queries: phase 1 for this step's own query
             (row,), lse = kernels.phase1(state.blocks, state.blocks_inv_rms, (self.step_query(state),))
+            lse_row = 0
         # k and its buffer (`PendingInput`), read only where k is not 1: a buffer's lookup is a Python call per step.
         scale = (self.output_scale, self.output_scale_tensor) if self.output_scale != 1 else ()
         if state.partial is None:  # the block's first step: phase 1 is the whole softmax
             dtype = state.blocks[0].dtype
             return PendingInput(block_input, kernels.phase1_rms_norm, (row, dtype), dtype, *scale)
-        # The row's log-sum-exp, read only here: taking a row of a stacked `lse` is a tensor operation.
-        lse = state.lse[self.block_offset] if lse is None else lse[0]
-        args = (row, lse, state.partial, self.step_query(state), self.eps)
+        # The row's log-sum-exp, taken only here: a row of a stacked `lse` is a tensor operation.
+        args = (row, lse[lse_row], state.partial, self.step_query(state), self.eps)
         return PendingInput(kernels.phase2, kernels.phase2_rms_norm, args, state.partial.dtype, *scale)
 
     def absorb(self, output: torch.Tensor, state: DepthState, context: DepthContext) -> DepthState:

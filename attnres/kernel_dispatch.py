@@ -158,7 +158,8 @@ def compiled_torch_kernels(device: torch.device, num_blocks: int, num_queries: i
         # `blocks_inv_rms` is not read: the state still appends to it, and the compiler drops what nothing reads.
         padding = [torch.empty_like(blocks[0]) for _ in range(num_blocks - len(blocks))]
         count = len(queries)
-        queries = torch.stack([*queries, *[queries[0].new_zeros(queries[0].shape)] * (num_queries - count)])
+        zero_queries = [queries[0].new_zeros(queries[0].shape)] * (num_queries - count)
+        queries = torch.stack([*queries, *zero_queries])
         rows = _padded_phase1_rows(valid[len(blocks) - 1], queries, eps_tensor, *blocks, *padding)
         return rows[:count], rows[num_queries : num_queries + count]  # obar's rows, then lse's
 
